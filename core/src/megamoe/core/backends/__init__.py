@@ -1,0 +1,1 @@
+"""Experts backends: DeepGEMM MegaMoE and the torch reference."""

@@ -1,0 +1,45 @@
+"""The interface every experts backend implements (SPEC §3.5)."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from megamoe.core.formats import WeightFormat
+
+if TYPE_CHECKING:
+    from megamoe.core.experts import MegaMoEExperts
+
+
+class ExpertsBackend(abc.ABC):
+    """Runs a ``MegaMoEExperts`` module's forward from its canonical kernel-form tensors.
+
+    ``MegaMoEExperts`` owns the canonical tensors (``w13_weight`` gate rows then up rows,
+    ``w2_weight`` and their scales). A backend may keep its own physical layout of them,
+    built by ``prepare`` for the local experts that changed, and must then update it in
+    place so addresses captured by CUDA graphs stay valid.
+    """
+
+    name: ClassVar[str]
+
+    @classmethod
+    @abc.abstractmethod
+    def unsupported_reason(cls, run_format: WeightFormat, device: torch.device) -> str | None:
+        """Why this backend cannot run ``run_format`` on ``device``; None when it can."""
+
+    @abc.abstractmethod
+    def prepare(self, experts: MegaMoEExperts, local_ids: Sequence[int]) -> None:
+        """Bring the backend's view of the given local experts up to date (``finalize()``)."""
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        experts: MegaMoEExperts,
+        hidden_states: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """Routed (plus fused shared) expert output for this rank's tokens, (tokens, H) bf16."""

@@ -1,0 +1,57 @@
+"""Exception types of megamoe, each a subclass of the builtin a caller would catch."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+
+MAX_LISTED = 8  # keys named in one message; the rest are counted
+
+
+def format_keys(keys: Iterable[Hashable]) -> str:
+    """Sorted, truncated listing of keys for an error message."""
+    ordered = sorted(keys, key=lambda k: repr(k))
+    shown = ", ".join(repr(k) for k in ordered[:MAX_LISTED])
+    more = len(ordered) - MAX_LISTED
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+class IncompleteShardsError(ValueError):
+    """Some expert shards received only their weight or only their scale.
+
+    Attributes:
+        missing: the unpaired keys, each ``(local expert id or None, shard id)``,
+            mapped to the halves that are still missing.
+    """
+
+    def __init__(self, prefix: str, missing: dict[Hashable, tuple[str, ...]]) -> None:
+        self.missing = dict(missing)
+        listed = ", ".join(
+            f"{key!r} missing {'+'.join(halves)}"
+            for key, halves in sorted(self.missing.items(), key=lambda kv: repr(kv[0]))[:MAX_LISTED]
+        )
+        more = len(self.missing) - MAX_LISTED
+        super().__init__(
+            f"{prefix}: {len(self.missing)} expert shard(s) (local expert, shard) are "
+            f"incomplete: {listed}{f' and {more} more' if more > 0 else ''}; load the missing "
+            "tensors before finalizing (None = the shared expert)"
+        )
+
+
+class NonFiniteError(ValueError):
+    """A weight, scale or activation holds NaN or infinity."""
+
+
+class MissingExpertsError(ValueError):
+    """Local expert slots that never received their tensors."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory is missing files or tensors, or they disagree with its config."""
+
+
+class CapabilityError(RuntimeError):
+    """The installed DeepGEMM or the device lacks what the chosen path needs."""
+
+
+class FormatMismatchError(ValueError):
+    """Tagged kernel tensors or buffers of different formats were combined."""

@@ -1,0 +1,70 @@
+"""Parallel settings an engine fills in for an MoE block (SPEC §3.4)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+PLACEMENT_LINEAR = "linear"  # rank r holds physical experts [r*E_local, (r+1)*E_local)
+
+
+@dataclass(frozen=True)
+class ParallelSettings:
+    """How an MoE block is spread over ranks.
+
+    Attributes:
+        ep_group: the expert-parallel process group; None means one rank holding every
+            expert.
+        tp_size: tensor-parallel size of the block (MegaMoE supports 1).
+        placement: expert placement strategy; MegaMoE needs ``"linear"``.
+        num_redundant_experts: extra physical experts (EPLB replicas) beyond the logical
+            ones; physical expert p holds logical expert ``p % num_logical``.
+    """
+
+    ep_group: dist.ProcessGroup | None = None
+    tp_size: int = 1
+    placement: str = PLACEMENT_LINEAR
+    num_redundant_experts: int = 0
+
+    @property
+    def ep_size(self) -> int:
+        """Number of expert-parallel ranks."""
+        return 1 if self.ep_group is None else dist.get_world_size(self.ep_group)
+
+    @property
+    def ep_rank(self) -> int:
+        """This process's rank in the expert-parallel group."""
+        return 0 if self.ep_group is None else dist.get_rank(self.ep_group)
+
+    def check_megamoe(self, model: str, *, require_ep_group: bool = False) -> None:
+        """Refuse settings MegaMoE cannot run, naming the setting to change.
+
+        Args:
+            model: model name for the message.
+            require_ep_group: also refuse ``ep_group=None``.
+
+        Raises:
+            NotImplementedError: tensor parallel > 1, non-linear placement, or a missing
+                expert-parallel group when one is required.
+            ValueError: a negative number of redundant experts.
+        """
+        if require_ep_group and self.ep_group is None:
+            raise NotImplementedError(
+                f"{model} MegaMoE runs expert parallel: pass ParallelSettings(ep_group=...) "
+                "with the expert-parallel process group (a group of size 1 for one GPU)"
+            )
+        if self.tp_size != 1:
+            raise NotImplementedError(
+                f"{model} MegaMoE supports tp_size=1 only, got tp_size={self.tp_size}; "
+                "scale out with expert/data parallel instead"
+            )
+        if self.placement != PLACEMENT_LINEAR:
+            raise NotImplementedError(
+                f"{model} MegaMoE places experts linearly, got placement={self.placement!r}; "
+                f"set placement={PLACEMENT_LINEAR!r}"
+            )
+        if self.num_redundant_experts < 0:
+            raise ValueError(
+                f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}"
+            )

@@ -1,0 +1,158 @@
+"""The unfused shared expert: a SwiGLU MLP, and the auxiliary stream it runs on.
+
+Both adapters run a shared expert beside the router while the MegaMoE launch waits: the
+launch needs every SM, so the shared expert is issued first on an auxiliary CUDA stream and
+joined before the kernel starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+
+from megamoe.core import quant
+from megamoe.core.formats import WeightFormat
+from megamoe.core.pairing import PROJ_TO_SHARD, ShardPairing
+
+_PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+class SwiGLUMLP(torch.nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with bias-free bf16 projections.
+
+    Quantized checkpoint tensors are dequantized to bf16 when loaded.
+
+    Args:
+        hidden_size: model width H.
+        intermediate_size: MLP width I.
+        checkpoint_format: how the checkpoint stores the projections (scales are
+            dequantized when loaded).
+        device: where the weights live.
+        prefix: name prefix for error messages.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        checkpoint_format: WeightFormat = WeightFormat.BF16,
+        device: torch.device | str | None = None,
+        prefix: str = "shared_expert",
+    ) -> None:
+        super().__init__()
+        self.prefix = prefix
+        self.checkpoint_format = checkpoint_format
+        scale_name = checkpoint_format.scale_name
+        self._halves = ("weight",) if scale_name is None else ("weight", scale_name)
+        # A chunked update may bring a weight and its scale in different calls.
+        self._pairing = ShardPairing(self._halves, prefix=prefix)
+        shapes = {
+            "gate_proj": (intermediate_size, hidden_size),
+            "up_proj": (intermediate_size, hidden_size),
+            "down_proj": (hidden_size, intermediate_size),
+        }
+        for proj, shape in shapes.items():
+            self.register_parameter(
+                proj,
+                torch.nn.Parameter(
+                    torch.empty(shape, dtype=torch.bfloat16, device=device), requires_grad=False
+                ),
+            )
+        self._loaded: set[str] = set()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the MLP to ``x`` (tokens, H) in bf16."""
+        x = x.to(torch.bfloat16)
+        return F.linear(
+            F.silu(F.linear(x, self.gate_proj)) * F.linear(x, self.up_proj), self.down_proj
+        )
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load ``{gate,up,down}_proj.{weight,<scale>}`` tensors.
+
+        A weight and its scale may come in different calls; ``check_loaded`` then tells
+        whether any projection is still waiting for its other half.
+
+        Args:
+            weights: ``(name relative to the shared expert, tensor)`` pairs.
+
+        Returns:
+            The projections written by this call.
+
+        Raises:
+            ValueError: an unexpected name or a shape that does not match.
+        """
+        halves, scale_name = self._halves, self.checkpoint_format.scale_name
+        written: set[str] = set()
+        for name, tensor in weights:
+            proj, _, kind = name.partition(".")
+            if proj not in _PROJS or kind not in halves:
+                raise ValueError(
+                    f"{self.prefix}: unexpected shared-expert tensor {name!r}; expected "
+                    f"{{gate,up,down}}_proj.{{{','.join(halves)}}}"
+                )
+            parts = self._pairing.add((None, PROJ_TO_SHARD[proj]), kind, tensor)
+            if parts is None:
+                continue
+            param: torch.nn.Parameter = getattr(self, proj)
+            dense = quant.dequantize(
+                parts["weight"].to(param.device),
+                None if scale_name is None else parts[scale_name].to(param.device),
+                self.checkpoint_format,
+            )
+            if dense.shape != param.shape:
+                raise ValueError(
+                    f"{self.prefix}.{proj}: weight has shape {tuple(dense.shape)} after "
+                    f"dequantization, expected {tuple(param.shape)}"
+                )
+            param.data.copy_(dense)
+            written.add(proj)
+        self._loaded |= written
+        return written
+
+    def check_loaded(self) -> None:
+        """Raise unless every projection was loaded with both its halves.
+
+        Raises:
+            IncompleteShardsError: a projection still lacks its weight or scale.
+            ValueError: names the projections never loaded.
+        """
+        self._pairing.check_complete()
+        missing = [p for p in _PROJS if p not in self._loaded]
+        if missing:
+            raise ValueError(f"{self.prefix}: projections never loaded: {', '.join(missing)}")
+
+
+class AuxStream:
+    """Runs work beside the current CUDA stream and joins it later; inline without CUDA.
+
+    Args:
+        device: the device the work runs on.
+        enabled: False runs everything inline on the current stream (serial path).
+    """
+
+    def __init__(self, device: torch.device | str, enabled: bool = True) -> None:
+        device = torch.device(device)
+        self.stream = (
+            torch.cuda.Stream(device=device) if enabled and device.type == "cuda" else None
+        )
+
+    def launch(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """Start ``fn`` on the auxiliary stream; the returned callable joins, giving the result."""
+        if self.stream is None:
+            result = fn()
+            return lambda: result
+        main = torch.cuda.current_stream(self.stream.device)
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
+            result = fn()
+        stream = self.stream
+
+        def join() -> torch.Tensor:
+            main.wait_stream(stream)
+            result.record_stream(main)
+            return result
+
+        return join
