@@ -7,9 +7,18 @@ from collections.abc import Hashable, Iterable
 MAX_LISTED = 8  # keys named in one message; the rest are counted
 
 
+def _natural(key: Hashable) -> tuple[Any, ...]:
+    """Sort key: None first, then numbers by value, then strings; tuples element-wise."""
+    parts = key if isinstance(key, tuple) else (key,)
+    return tuple(
+        (0, 0, "") if p is None else (1, p, "") if isinstance(p, int) else (2, 0, str(p))
+        for p in parts
+    )
+
+
 def format_keys(keys: Iterable[Hashable]) -> str:
     """Sorted, truncated listing of keys for an error message."""
-    ordered = sorted(keys, key=lambda k: repr(k))
+    ordered = sorted(keys, key=_natural)
     shown = ", ".join(repr(k) for k in ordered[:MAX_LISTED])
     more = len(ordered) - MAX_LISTED
     return shown + (f" and {more} more" if more > 0 else "")
@@ -27,7 +36,9 @@ class IncompleteShardsError(ValueError):
         self.missing = dict(missing)
         listed = ", ".join(
             f"{key!r} missing {'+'.join(halves)}"
-            for key, halves in sorted(self.missing.items(), key=lambda kv: repr(kv[0]))[:MAX_LISTED]
+            for key, halves in sorted(self.missing.items(), key=lambda kv: _natural(kv[0]))[
+                :MAX_LISTED
+            ]
         )
         more = len(self.missing) - MAX_LISTED
         super().__init__(
