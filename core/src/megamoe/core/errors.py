@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
+from typing import Any
 
 MAX_LISTED = 8  # keys named in one message; the rest are counted
 
