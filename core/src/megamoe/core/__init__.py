@@ -1,6 +1,8 @@
 """megamoe-core: checkpoint experts to DeepGEMM MegaMoE kernel weights, engine-agnostic."""
 
 from megamoe.core.adapters import ModelAdapter, MoEBlock, MoELayer, SyntheticSizes
+from megamoe.core.backends.reference import ReferenceBackend
+from megamoe.core.backends.select import resolve_backend
 from megamoe.core.errors import (
     CapabilityError,
     CheckpointError,
@@ -9,23 +11,29 @@ from megamoe.core.errors import (
     MissingExpertsError,
     NonFiniteError,
 )
+from megamoe.core.experts import MegaMoEExperts
 from megamoe.core.formats import WeightFormat, resolve_formats
 from megamoe.core.pairing import ShardPairing
 from megamoe.core.parallel import ParallelSettings
+from megamoe.core.tagging import KernelTag
 
 __all__ = [
     "CapabilityError",
     "CheckpointError",
     "FormatMismatchError",
     "IncompleteShardsError",
+    "KernelTag",
+    "MegaMoEExperts",
     "MissingExpertsError",
     "MoEBlock",
     "MoELayer",
     "ModelAdapter",
     "NonFiniteError",
     "ParallelSettings",
+    "ReferenceBackend",
     "ShardPairing",
     "SyntheticSizes",
     "WeightFormat",
+    "resolve_backend",
     "resolve_formats",
 ]
