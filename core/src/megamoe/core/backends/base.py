@@ -21,6 +21,11 @@ class ExpertsBackend(abc.ABC):
     ``w2_weight`` and their scales). A backend may keep its own physical layout of them,
     built by ``prepare`` for the local experts that changed, and must then update it in
     place so addresses captured by CUDA graphs stay valid.
+
+    Backends are constructed without arguments (``backends.select.resolve_backend``); what
+    they need comes from the experts module handed to each call. Local expert ids handed to
+    ``prepare`` are kernel slots: ``0 .. num_local_experts - 1`` for routed experts, then
+    ``num_local_experts + s`` for fused shared expert ``s``.
     """
 
     name: ClassVar[str]
@@ -29,6 +34,21 @@ class ExpertsBackend(abc.ABC):
     @abc.abstractmethod
     def unsupported_reason(cls, run_format: WeightFormat, device: torch.device) -> str | None:
         """Why this backend cannot run ``run_format`` on ``device``; None when it can."""
+
+    def check_layer(self, experts: MegaMoEExperts) -> None:
+        """Refuse layer sizes or settings this backend cannot run.
+
+        Called by the ``MegaMoEExperts`` constructor before any weight is allocated: only
+        the sizes and settings (``hidden_size``, ``intermediate_size``, ``top_k``,
+        ``num_experts``, ``num_local_experts``, ``num_shared_experts``, ``max_num_tokens``,
+        ``process_group``, ``device``, ``weight_format``) are set then. The default accepts
+        everything.
+
+        Raises:
+            ValueError: a size the backend cannot run, naming it, the value and the rule.
+            CapabilityError: a setting the installed kernel lacks.
+        """
+        del experts
 
     @abc.abstractmethod
     def prepare(self, experts: MegaMoEExperts, local_ids: Sequence[int]) -> None:

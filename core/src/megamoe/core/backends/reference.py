@@ -1,0 +1,215 @@
+"""The torch reference backend: float32 MoE math on dequantized weights, any device.
+
+The numerical oracle for the kernels (SPEC §3.5). Each local expert's weights are
+dequantized to float32 inside the loop (one expert at a time: no float copy of all weights
+is kept). Per expert: ``h = x @ w13.T``, ``a = silu(gate) * up``, ``y = a @ w2.T``, weighted
+by the token's top-k weight, summed per token; fused shared experts add with weight 1.
+
+With ``emulate_kernel=True`` activations are rounded as the kernel rounds them: on the
+SM100 formats (MXFP8, MXFP4) the input and the SwiGLU output go through FP8 E4M3 with
+UE8M0 1x32 scales, and the SwiGLU output is multiplied by the top-k weight before that
+rounding and the second GEMM; on Hopper FP8_BLOCK the same with float32 per-token 1x128
+scales (amax / 448); on BF16 the SwiGLU output (times the weight) is rounded to bf16.
+
+Multi-rank (a process group of size > 1): every rank's tokens and top-k are gathered
+(padded to the largest token count), each rank computes its experts' contribution to every
+(token, top-k slot), and a reduce-scatter returns the contributions to the owner. Each
+(token, slot) is owned by exactly one expert, so the sum over ranks adds zeros only and the
+result is bit-identical to one rank holding every expert. Memory: the contributions take
+``ranks * max_tokens * top_k * H`` float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megamoe.core import quant
+from megamoe.core.backends.base import ExpertsBackend
+from megamoe.core.formats import WeightFormat
+from megamoe.core.tagging import check_tags, tag
+
+if TYPE_CHECKING:
+    from megamoe.core.experts import MegaMoEExperts
+
+TOKEN_GROUP = (1, 128)  # Hopper kernel activations: one float32 scale per token per 128
+
+Rounding = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _round_mx(x: torch.Tensor) -> torch.Tensor:
+    """FP8 E4M3 with UE8M0 1x32 scales, back to float32."""
+    values, scale = quant.quantize_mx(x, WeightFormat.MXFP8, name="activations")
+    return quant.dequantize(values, scale, WeightFormat.MXFP8)
+
+
+def _round_token_fp8(x: torch.Tensor) -> torch.Tensor:
+    """FP8 E4M3 with float32 1x128 per-token scales, back to float32."""
+    values, scale = quant.quantize_fp8_block(x, TOKEN_GROUP, name="activations")
+    return quant.dequantize(values, scale, WeightFormat.FP8_BLOCK, block_size=TOKEN_GROUP)
+
+
+def _round_bf16(x: torch.Tensor) -> torch.Tensor:
+    """bfloat16, back to float32."""
+    return x.to(torch.bfloat16).float()
+
+
+ACTIVATION_ROUNDING: dict[WeightFormat, Rounding] = {
+    WeightFormat.BF16: _round_bf16,
+    WeightFormat.FP8_BLOCK: _round_token_fp8,
+    WeightFormat.MXFP8: _round_mx,
+    WeightFormat.MXFP4: _round_mx,
+}
+
+
+def _expert_mlp(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weight: torch.Tensor,
+    rounding: Rounding | None,
+) -> torch.Tensor:
+    """``weight * (silu(x W1^T) * (x W3^T)) W2^T`` in float32, rounding as the kernel does."""
+    gate, up = (x @ w13.T).chunk(2, dim=-1)
+    act = F.silu(gate) * up
+    if rounding is None:
+        return (act @ w2.T) * weight[:, None]
+    return rounding(act * weight[:, None]) @ w2.T
+
+
+class ReferenceBackend(ExpertsBackend):
+    """Torch reference path on any device (CPU included); see the module docstring."""
+
+    name = "reference"
+
+    @classmethod
+    def unsupported_reason(cls, run_format: WeightFormat, device: torch.device) -> str | None:
+        """The reference runs every format on every device: always None."""
+        return None
+
+    def prepare(self, experts: MegaMoEExperts, local_ids: Sequence[int]) -> None:
+        """Nothing to lay out (weights are dequantized per forward); records the format tag."""
+        tag(self, experts.kernel_tag)
+
+    def _dense(self, experts: MegaMoEExperts, l1: str, l2: str, index: int) -> list[torch.Tensor]:
+        """float32 (2I, H) and (H, I) weights of one kernel slot."""
+        params, fmt = experts.kernel_params, experts.weight_format
+        dense = []
+        for stem in (l1, l2):
+            scale = params.get(f"{stem}_weight_scale")
+            weight = params[f"{stem}_weight"].data[index]
+            dense.append(
+                quant.dequantize(weight, None if scale is None else scale.data[index], fmt)
+            )
+        return dense
+
+    def _rounding(self, experts: MegaMoEExperts) -> Rounding | None:
+        return ACTIVATION_ROUNDING[experts.weight_format] if experts.emulate_kernel else None
+
+    def expert_contributions(
+        self,
+        experts: MegaMoEExperts,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """Contribution of this module's routed experts to every (token, top-k slot).
+
+        Args:
+            experts: the module.
+            x: (N, H) float32 input (already rounded when emulating the kernel).
+            topk_weights: (N, top_k) float32.
+            topk_ids: (N, top_k) physical expert ids, -1 = unused.
+
+        Returns:
+            (N, top_k, H) float32; zero where another rank's expert (or none) serves a slot.
+        """
+        out = x.new_zeros((x.shape[0], topk_ids.shape[1], x.shape[1]))
+        rounding = self._rounding(experts)
+        for slot in range(experts.num_local_experts):
+            hits = (topk_ids == experts.experts_start_idx + slot).nonzero()
+            if hits.numel() == 0:
+                continue
+            token, k = hits.unbind(1)
+            w13, w2 = self._dense(experts, "w13", "w2", slot)
+            out[token, k] = _expert_mlp(x[token], w13, w2, topk_weights[token, k], rounding)
+        return out
+
+    def _shared(self, experts: MegaMoEExperts, x: torch.Tensor) -> torch.Tensor | None:
+        """Sum of the fused shared experts (weight 1 for every token), None without any."""
+        total = None
+        ones = x.new_ones(x.shape[0])
+        for s in range(experts.num_shared_experts):
+            w13, w2 = self._dense(experts, "shared_l1", "shared_l2", s)
+            y = _expert_mlp(x, w13, w2, ones, self._rounding(experts))
+            total = y if total is None else total + y
+        return total
+
+    def forward(
+        self,
+        experts: MegaMoEExperts,
+        hidden_states: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """(T, H) bf16 output for this rank's tokens; see the module docstring.
+
+        Raises:
+            ValueError: a top-k id outside ``[-1, num_experts)``.
+            FormatMismatchError: the backend was prepared for another format.
+        """
+        check_tags(experts.kernel_tag, {"reference backend": self}, experts.layout.label)
+        bad = (topk_ids < -1) | (topk_ids >= experts.num_experts)
+        if bool(bad.any()):
+            value = int(topk_ids[bad][0])
+            raise ValueError(
+                f"{experts.layout.label}: topk_ids holds {value}; physical expert ids must be "
+                f"in [0, num_experts={experts.num_experts}) or -1 for an unused slot"
+            )
+        x = hidden_states.float()
+        rounding = self._rounding(experts)
+        if rounding is not None and x.numel():
+            x = rounding(x)
+        group = experts.process_group
+        if group is None or dist.get_world_size(group) == 1:
+            per_slot = self.expert_contributions(experts, x, topk_weights, topk_ids.long())
+        else:
+            per_slot = self._exchange(experts, group, x, topk_weights, topk_ids.long())
+        out = per_slot[:, 0]
+        for k in range(1, per_slot.shape[1]):  # a fixed order, the same on every EP size
+            out = out + per_slot[:, k]
+        shared = self._shared(experts, x)
+        if shared is not None:
+            out = out + shared
+        return out.to(torch.bfloat16)
+
+    def _exchange(
+        self,
+        experts: MegaMoEExperts,
+        group: dist.ProcessGroup,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """Gather every rank's tokens, run local experts, reduce-scatter back to owners."""
+        size, tokens = dist.get_world_size(group), x.shape[0]
+        counts = [torch.zeros(1, dtype=torch.int64, device=x.device) for _ in range(size)]
+        dist.all_gather(counts, torch.tensor([tokens], device=x.device), group=group)
+        most = int(max(int(c) for c in counts))
+        if most == 0:  # every rank is idle: nothing to exchange
+            return x.new_zeros((0, topk_ids.shape[1], x.shape[1]))
+        gathered = []
+        for local, fill in ((x, 0.0), (topk_weights, 0.0), (topk_ids, -1)):
+            padded = local.new_full((most, *local.shape[1:]), fill)
+            padded[:tokens] = local
+            parts = [torch.empty_like(padded) for _ in range(size)]
+            dist.all_gather(parts, padded, group=group)
+            gathered.append(torch.cat(parts))
+        per_slot = self.expert_contributions(experts, *gathered)
+        mine = torch.empty_like(per_slot[:most])
+        dist.reduce_scatter(mine, list(per_slot.view(size, most, *per_slot.shape[1:])), group=group)
+        return mine[:tokens]

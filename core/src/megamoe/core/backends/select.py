@@ -1,0 +1,106 @@
+"""Backend registry by name and the ``backend="auto"`` choice (SPEC §3.5)."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import torch
+
+from megamoe.core.backends.base import ExpertsBackend
+from megamoe.core.errors import CapabilityError
+from megamoe.core.formats import WeightFormat
+
+logger = logging.getLogger("megamoe")
+
+AUTO = "auto"
+# Backend name -> module defining one ExpertsBackend subclass with that ``name``. Imported
+# lazily: DeepGEMM is optional at run time.
+BACKEND_MODULES = {
+    "reference": "megamoe.core.backends.reference",
+    "deepgemm": "megamoe.core.backends.deepgemm",
+}
+_logged: set[tuple[str, WeightFormat, str]] = set()
+
+
+def backend_class(name: str) -> type[ExpertsBackend]:
+    """The backend class registered as ``name``.
+
+    Raises:
+        ValueError: ``name`` is not a registered backend; the message lists them.
+        ImportError: the backend's module fails to import (e.g. a broken DeepGEMM install).
+        TypeError: the module defines no ``ExpertsBackend`` subclass named ``name``.
+    """
+    if name not in BACKEND_MODULES:
+        known = ", ".join([AUTO, *BACKEND_MODULES])
+        raise ValueError(f"unknown experts backend {name!r}; expected one of: {known}")
+    module = importlib.import_module(BACKEND_MODULES[name])
+    for value in vars(module).values():
+        if (
+            isinstance(value, type)
+            and issubclass(value, ExpertsBackend)
+            and getattr(value, "name", None) == name
+        ):
+            return value
+    raise TypeError(f"{module.__name__} defines no ExpertsBackend subclass with name={name!r}")
+
+
+def _reason(name: str, run_format: WeightFormat, device: torch.device) -> str | None:
+    """Why backend ``name`` cannot run here (import failures included), None when it can."""
+    try:
+        cls = backend_class(name)
+    except ImportError as exc:
+        return f"{BACKEND_MODULES[name]} does not import ({exc})"
+    return cls.unsupported_reason(run_format, device)
+
+
+def resolve_backend(
+    name: str, run_format: WeightFormat | str, device: torch.device | str | None
+) -> ExpertsBackend:
+    """Instantiate the backend ``name`` for ``run_format`` on ``device``.
+
+    ``"auto"`` picks ``deepgemm`` where it can run ``run_format`` on ``device``, else
+    ``reference``; the choice and its reason are logged once (INFO, logger ``megamoe``) per
+    (choice, format, device type). An explicit backend that cannot run is an error, never a
+    silent fallback.
+
+    Args:
+        name: ``"auto"``, ``"reference"`` or ``"deepgemm"``.
+        run_format: the experts' run format.
+        device: where the experts live (None = CPU).
+
+    Returns:
+        A new backend instance.
+
+    Raises:
+        ValueError: an unknown backend name.
+        CapabilityError: an explicitly requested backend cannot run ``run_format`` on
+            ``device``; the message gives the reason.
+    """
+    fmt = WeightFormat.parse(run_format)
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    if name == AUTO:
+        reason = _reason("deepgemm", fmt, dev)
+        chosen = "reference" if reason is not None else "deepgemm"
+        key = (chosen, fmt, dev.type)
+        if key not in _logged:
+            _logged.add(key)
+            why = f"deepgemm cannot: {reason}" if reason else "deepgemm can run it"
+            logger.info(
+                "megamoe experts backend auto -> %s for %s on %s (%s); pass backend=... "
+                "to choose explicitly",
+                chosen,
+                fmt.value,
+                dev,
+                why,
+            )
+        return backend_class(chosen)()
+    if name not in BACKEND_MODULES:
+        backend_class(name)  # raises the unknown-name error
+    reason = _reason(name, fmt, dev)
+    if reason is not None:
+        raise CapabilityError(
+            f"experts backend {name!r} cannot run {fmt.value} on {dev}: {reason}; "
+            "pass backend='reference' (or 'auto') to use the torch reference path"
+        )
+    return backend_class(name)()

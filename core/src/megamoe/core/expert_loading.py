@@ -1,0 +1,375 @@
+"""The loading half of ``MegaMoEExperts``: checks, pairing, conversion and staging.
+
+Each checkpoint tensor is checked (dtype, shape, finiteness, named), a quantized weight
+is paired with its scale (``ShardPairing``) and the complete shard is converted to the run
+format. Before the module first serves (its first ``finalize()``), shards are written
+straight into the kernel tensors; afterwards they are staged (``PendingUpdate``) and
+``finalize()`` commits them, so any error while loading an update discards it and the
+previous weights keep serving.
+
+Memory between ``load_*`` calls and ``finalize()``: at most one unpaired checkpoint half
+per shard and one shard's conversion workspace; during a reload, plus the run-format
+bytes of the shards it changes (replicas of one logical expert share one copy): a reload
+of every expert holds a second copy of the weights until ``finalize()``.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from megamoe.core import quant
+from megamoe.core.errors import NonFiniteError
+from megamoe.core.expert_layout import ExpertLayout, Specs
+from megamoe.core.expert_names import parse_expert_name, weight_kinds
+from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
+from megamoe.core.pairing import PROJ_TO_SHARD, SHARD_DOWN, SHARD_IDS, ShardKey, ShardPairing
+from megamoe.core.staging import PendingUpdate, count_nonfinite
+
+SCALE = "scale"  # kind of a run-format scale half handed to weight_loader
+WEIGHT = "weight"
+
+
+class ExpertLoading(abc.ABC):
+    """Loading API and subclass hooks of ``MegaMoEExperts`` (which sets the attributes)."""
+
+    layout: ExpertLayout
+    weight_format: WeightFormat
+    checkpoint_format: WeightFormat
+    device: torch.device
+    num_local_experts: int
+    num_shared_experts: int
+    hidden_size: int
+    intermediate_size: int
+
+    @property
+    @abc.abstractmethod
+    def kernel_params(self) -> dict[str, torch.nn.Parameter]:
+        """The kernel tensors by name."""
+
+    def _init_loading(self) -> None:
+        """Empty pairings and an empty pending update (called by the constructor)."""
+        scale_name = self.checkpoint_format.scale_name
+        self._ckpt_halves = (WEIGHT,) if scale_name is None else (WEIGHT, scale_name)
+        run_scaled = self.weight_format.scale_name is not None
+        self._pairing = ShardPairing(self._ckpt_halves, prefix=self.layout.label)
+        self._run_pairing = ShardPairing(
+            (WEIGHT, SCALE) if run_scaled else (WEIGHT,),
+            prefix=f"{self.layout.label} (weight_loader)",
+        )
+        self._pending = PendingUpdate()
+        self._direct: set[tuple[int, str]] = set()  # written in place before first serving
+        self._serving = False
+
+    @contextlib.contextmanager
+    def _update_guard(self) -> Iterator[None]:
+        """On any error, drop the pending update so the previous weights keep serving."""
+        try:
+            yield
+        except BaseException:
+            self.discard_pending()
+            raise
+
+    def discard_pending(self) -> None:
+        """Forget every tensor loaded since the last ``finalize()`` (none was written yet)."""
+        self._pairing.clear()
+        self._run_pairing.clear()
+        self._pending.clear()
+        self._direct.clear()
+
+    @property
+    def pending_bytes(self) -> int:
+        """Device bytes held by the pending update (at most the changed shards' final size)."""
+        return self._pending.nbytes()
+
+    def weight_loader(
+        self,
+        param: torch.nn.Parameter,
+        tensor: torch.Tensor,
+        name: str,
+        shard_id: str,
+        expert_id: int,
+    ) -> bool:
+        """Stage one run-format half (weight or scale) of one shard (engine-style loader).
+
+        Args:
+            param: one of ``kernel_params``.
+            tensor: the weight or scale of one shard, already in the run format.
+            name: the tensor's name, for messages.
+            shard_id: ``w1`` or ``w3`` for ``w13_*`` / ``shared_l1_*``, ``w2`` for the others.
+            expert_id: local slot (routed tensors) or shared-expert index (shared tensors).
+
+        Returns:
+            True when this call completed the shard (weight and scale both in), False while
+            its other half is still missing.
+
+        Raises:
+            ValueError: a foreign parameter, a wrong shard id or slot, or a shape or dtype
+                that does not match (the message names both).
+            NonFiniteError: the tensor holds NaN or infinity.
+        """
+        label = self.layout.label
+        with self._update_guard():
+            pname = next((n for n, p in self.kernel_params.items() if p is param), None)
+            if pname is None:
+                raise ValueError(f"{label}: {name}: param is not a kernel parameter of this module")
+            shared, down = pname.startswith("shared_"), pname.startswith(("w2", "shared_l2"))
+            allowed = (SHARD_DOWN,) if down else ("w1", "w3")
+            if shard_id not in allowed:
+                raise ValueError(
+                    f"{label}: {name}: shard_id {shard_id!r} is not one of {allowed} ({pname})"
+                )
+            count = self.num_shared_experts if shared else self.num_local_experts
+            if not 0 <= expert_id < count:
+                raise ValueError(
+                    f"{label}: {name}: expert_id {expert_id} is out of range [0, {count}) "
+                    f"for {pname}"
+                )
+            kind = SCALE if pname.endswith("_scale") else WEIGHT
+            self._check_tensor(
+                name,
+                tensor,
+                self.weight_format,
+                self.layout.specs(self.weight_format, shard_id),
+                kind,
+            )
+            slot = expert_id + (self.num_local_experts if shared else 0)
+            parts = self._run_pairing.add((slot, shard_id), kind, tensor)
+            if parts is None:
+                return False
+            scale = parts.get(SCALE)
+            owned_scale = None if scale is None else _owned(scale, self.device)
+            self._write_shard(slot, shard_id, _owned(parts[WEIGHT], self.device), owned_scale)
+            return True
+
+    def load_expert_tensor(
+        self, expert_id: int, shard_id: str, kind: str, tensor: torch.Tensor
+    ) -> set[str]:
+        """Load one checkpoint tensor of routed logical expert ``expert_id``.
+
+        Args:
+            expert_id: logical expert id; tensors of experts on other ranks are skipped.
+            shard_id: ``w1`` (gate), ``w3`` (up) or ``w2`` (down).
+            kind: ``"weight"`` or the checkpoint format's scale name.
+            tensor: (I, H) for gate/up, (H, I) for down, in the checkpoint's encoding.
+
+        Returns:
+            Kernel parameter names staged by this call (empty while the shard waits for its
+            other half, or for a non-local expert).
+
+        Raises:
+            ValueError: an unknown shard id or kind, an expert id out of range, a shape or
+                dtype that does not match.
+            NonFiniteError: the tensor holds NaN or infinity.
+        """
+        with self._update_guard():
+            slots = self.layout.map_global_expert_id(expert_id)
+            if not slots:
+                return set()
+            return self._load_source((slots[0], shard_id), kind, tensor, f"expert {expert_id}")
+
+    def load_shared_expert_tensor(self, shard_id: str, kind: str, tensor: torch.Tensor) -> set[str]:
+        """Load one checkpoint tensor of the shared MLP, fused as the shared expert(s).
+
+        The checkpoint's shared MLP has intermediate size ``S * I``; it is split along that
+        dimension into the S fused shared experts.
+
+        Args:
+            shard_id: ``w1``, ``w3`` or ``w2``.
+            kind: ``"weight"`` or the checkpoint format's scale name.
+            tensor: (S*I, H) for gate/up, (H, S*I) for down.
+
+        Returns:
+            Kernel parameter names staged by this call.
+
+        Raises:
+            ValueError: the module has no fused shared expert, or as ``load_expert_tensor``.
+            NonFiniteError: the tensor holds NaN or infinity.
+        """
+        with self._update_guard():
+            if not self.num_shared_experts:
+                raise ValueError(
+                    f"{self.layout.label}: built with num_shared_experts=0; pass "
+                    "num_shared_experts>0 to fuse the shared expert"
+                )
+            return self._load_source((None, shard_id), kind, tensor, "shared expert")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load ``{expert}.{gate,up,down}_proj.{weight,<scale name>}`` tensors.
+
+        ``weight_packed`` is accepted as the weight of an MXFP4 checkpoint. May be called any
+        number of times with any subset, chunked and in any order; ``finalize()`` applies the
+        update. Any error discards the pending update (the previous weights keep serving).
+
+        Args:
+            weights: ``(name relative to the experts prefix, tensor)`` pairs.
+
+        Returns:
+            The names accepted (other ranks' experts included: they are skipped).
+
+        Raises:
+            ValueError: an unexpected name (naming it and the expected pattern), or as
+                ``load_expert_tensor``.
+            NonFiniteError: a tensor holds NaN or infinity.
+        """
+        fmt = self.checkpoint_format
+        kinds = {*weight_kinds(fmt), *self._ckpt_halves}
+        accepted: set[str] = set()
+        with self._update_guard():
+            for name, tensor in weights:
+                parsed = parse_expert_name(name)
+                if parsed is None or parsed.expert is None or parsed.kind not in kinds:
+                    pattern = "{expert}.{gate,up,down}_proj.{" + ",".join(sorted(kinds)) + "}"
+                    raise ValueError(
+                        f"{self.layout.label}: unexpected expert tensor {name!r}; expected "
+                        f"{pattern} ({fmt.value} checkpoint)"
+                    )
+                kind = WEIGHT if parsed.is_weight else parsed.kind
+                self.load_expert_tensor(parsed.expert, PROJ_TO_SHARD[parsed.proj], kind, tensor)
+                accepted.add(name)
+        return accepted
+
+    def _load_source(self, key: ShardKey, kind: str, tensor: torch.Tensor, what: str) -> set[str]:
+        """Check one checkpoint half, pair it, and convert the shard once it is complete."""
+        slot, shard_id = key
+        if shard_id not in SHARD_IDS or kind not in self._ckpt_halves:
+            raise ValueError(
+                f"{self.layout.label}: {what}: shard id {shard_id!r} / kind {kind!r}; expected "
+                f"a shard id in {SHARD_IDS} and a kind in {self._ckpt_halves}"
+            )
+        fmt = self.checkpoint_format
+        specs = self.layout.specs(fmt, shard_id, whole_shared=slot is None)
+        self._check_tensor(f"{what} {shard_id} {kind}", tensor, fmt, specs, kind)
+        parts = self._pairing.add(key, kind, tensor)
+        if parts is None:
+            return set()
+        self._on_shard_complete(key, parts)
+        stem, _ = self.layout.slot_param(self.num_local_experts if slot is None else slot, shard_id)
+        return {n for n in self.kernel_params if n.startswith(f"{stem}_")}
+
+    def _check_tensor(
+        self, what: str, tensor: torch.Tensor, fmt: WeightFormat, specs: Specs, kind: str
+    ) -> None:
+        """Named dtype, shape and finiteness checks of one weight or scale stored in ``fmt``."""
+        label, is_scale = self.layout.label, kind != WEIGHT
+        spec = specs[1] if is_scale else specs[0]
+        if spec is None:
+            raise ValueError(f"{label}: {what}: {fmt.value} has no scale tensor")
+        if tensor.dtype != spec.dtype:
+            raise ValueError(
+                f"{label}: {what} has dtype {tensor.dtype}, expected {spec.dtype} for "
+                f"{fmt.value}; convert the tensor or declare the format it is stored in"
+            )
+        if tuple(tensor.shape) != spec.shape:
+            raise ValueError(
+                f"{label}: {what} has shape {tuple(tensor.shape)}, expected {spec.shape} for "
+                f"{fmt.value} (H={self.hidden_size}, I={self.intermediate_size})"
+            )
+        bad = count_nonfinite(tensor, ue8m0=is_scale and fmt.is_mx)
+        if bad:
+            raise NonFiniteError(
+                f"{label}: {what} holds {bad} non-finite value(s) (NaN/inf); fix the "
+                "checkpoint tensor: the expert would be poisoned"
+            )
+
+    # -- hooks for subclasses --------------------------------------------------------------
+
+    def _on_shard_complete(self, key: ShardKey, parts: dict[str, torch.Tensor]) -> None:
+        """A checkpoint shard has its weight and scale: convert it, hand it to its slots.
+
+        ``key`` is ``(first local slot of the logical expert, shard id)``, or ``(None, shard
+        id)`` for the shared MLP (split into the fused shared experts). Every replica slot
+        of the logical expert receives the shard through ``_write_shard``. Subclasses that
+        defer conversion override this and convert in ``MegaMoEExperts._prepare_update``.
+        """
+        slot, shard_id = key
+        scale_name = self.checkpoint_format.scale_name
+        source_scale = None if scale_name is None else parts[scale_name]
+        weight, scale = self.requantize_shard(
+            parts[WEIGHT], source_scale, name=f"{self.layout.label} {key}"
+        )
+        if slot is not None:
+            for replica in self.layout.map_global_expert_id(self.layout.logical_of(slot)):
+                self._write_shard(replica, shard_id, weight, scale)
+            return
+        n = self.num_shared_experts
+        for s in range(n):
+            part_scale = None if scale is None else _split(scale, n, s, shard_id)
+            self._write_shard(
+                self.num_local_experts + s, shard_id, _split(weight, n, s, shard_id), part_scale
+            )
+
+    def requantize_shard(
+        self, weight: torch.Tensor, scale: torch.Tensor | None, *, name: str
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Convert one checkpoint shard to the run format on this module's device.
+
+        The result never shares memory with the inputs (the caller may reuse them).
+        """
+        src, dst = self.checkpoint_format, self.weight_format
+        if src is dst:
+            return _owned(weight, self.device), None if scale is None else _owned(
+                scale, self.device
+            )
+        weight = weight.to(self.device)
+        scale = None if scale is None else scale.to(self.device)
+        if dst is WeightFormat.BF16:
+            dense = quant.dequantize(weight, scale, src, block_size=BLOCK_FP8_DEFAULT)
+            return dense.to(torch.bfloat16), None
+        return quant.requantize(weight, scale, src, dst, block_size=BLOCK_FP8_DEFAULT, name=name)
+
+    def _write_shard(
+        self, local_slot: int, shard_id: str, weight: torch.Tensor, scale: torch.Tensor | None
+    ) -> None:
+        """Hand one run-format shard of one kernel slot to the next ``finalize()``.
+
+        Checks shape, dtype and finiteness (naming the slot) first. Before the module first
+        serves, the shard is written into place at once; afterwards it is staged, held as
+        given (on the device): the caller must not change the tensors afterwards.
+        """
+        what, fmt = f"{self.layout.slot_label(local_slot)} {shard_id}", self.weight_format
+        specs = self.layout.specs(fmt, shard_id)
+        self._check_tensor(f"{what} weight", weight, fmt, specs, WEIGHT)
+        if (scale is None) != (specs[1] is None):
+            raise ValueError(
+                f"{self.layout.label}: {what}: got scale={'None' if scale is None else 'a tensor'}"
+                f", but {fmt.value} {'needs a' if specs[1] else 'has no'} scale"
+            )
+        if scale is not None:
+            self._check_tensor(f"{what} scale", scale, fmt, specs, SCALE)
+            scale = scale.to(self.device)
+        if self._serving:
+            self._pending.stage(local_slot, shard_id, weight.to(self.device), scale)
+        else:
+            self._commit(local_slot, shard_id, weight, scale)
+            self._direct.add((local_slot, shard_id))
+
+    def _commit(
+        self, slot: int, shard_id: str, weight: torch.Tensor, scale: torch.Tensor | None
+    ) -> None:
+        """Copy one shard into the kernel tensors, in place (they keep their storage)."""
+        stem, index = self.layout.slot_param(slot, shard_id)
+        params = self.kernel_params
+        for suffix, value in ((WEIGHT, weight), ("weight_scale", scale)):
+            if value is not None:
+                target = params[f"{stem}_{suffix}"].data[index]
+                rows = value.shape[0]
+                if shard_id != SHARD_DOWN:  # gate rows first, then up rows
+                    target = target[:rows] if shard_id == "w1" else target[rows:]
+                target.copy_(value)
+
+
+def _split(tensor: torch.Tensor, n: int, s: int, shard_id: str) -> torch.Tensor:
+    """Part ``s`` of ``n`` along the intermediate dimension (rows; columns for down)."""
+    if shard_id == SHARD_DOWN:
+        return tensor.reshape(tensor.shape[0], n, -1)[:, s]
+    return tensor.reshape(n, -1, tensor.shape[-1])[s]
+
+
+def _owned(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``, in memory its caller cannot change before the commit."""
+    moved = tensor.to(device)
+    return moved.clone() if moved.data_ptr() == tensor.data_ptr() else moved
