@@ -1,0 +1,93 @@
+"""Float64 forward of a Qwen4Exp MoE layer straight from its checkpoint tensors.
+
+Independent of the loading path (no experts module, no requantization, no backend): every
+tensor is read from the checkpoint and dequantized, and the layer is computed in float64.
+It checks a loaded block.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from megamoe.core import quant
+from megamoe.core.expert_names import FUSED_DOWN, FUSED_GATE_UP, WEIGHT, WEIGHT_PACKED
+from megamoe.core.formats import WeightFormat
+from megamoe.core.quant_config import detect_expert_format
+from megamoe.qwen4exp.config import Qwen4ExpConfig
+
+if TYPE_CHECKING:
+    from megamoe.core.checkpoint import CheckpointReader
+
+_PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _projection(
+    reader: CheckpointReader, stem: str, fmt: WeightFormat, names: set[str]
+) -> torch.Tensor:
+    """One projection ``{stem}.weight`` (or ``weight_packed``) with its scale, as float64."""
+    weight_name = f"{stem}.{WEIGHT_PACKED}" if f"{stem}.{WEIGHT_PACKED}" in names else None
+    weight = reader.get_tensor(weight_name or f"{stem}.{WEIGHT}")
+    scale = None if fmt.scale_name is None else reader.get_tensor(f"{stem}.{fmt.scale_name}")
+    return quant.dequantize(weight, scale, fmt).double()
+
+
+def _swiglu(
+    x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+def reference_forward(
+    reader: CheckpointReader, prefix: str, hidden_states: torch.Tensor
+) -> torch.Tensor:
+    """The MoE layer at ``prefix`` applied to ``hidden_states``, in float64 on the CPU.
+
+    Router softmax over all experts, top-k, renormalized when ``norm_topk_prob``; every
+    selected expert's SwiGLU output weighted and summed; plus the shared expert times
+    ``sigmoid(shared_expert_gate(x))``.
+
+    Args:
+        reader: the checkpoint.
+        prefix: the block prefix, e.g. ``model.layers.0.mlp``.
+        hidden_states: (tokens, hidden_size), any float dtype.
+
+    Returns:
+        (tokens, hidden_size) float64.
+    """
+    cfg = Qwen4ExpConfig.from_dict(reader.config)
+    names = set(reader.tensor_names())
+    quant_config = cfg.quantization_config
+    x = hidden_states.detach().cpu().double()
+    router = reader.get_tensor(f"{prefix}.gate.weight").double()
+    probs = torch.softmax(F.linear(x, router), dim=-1)
+    topk_weights, topk_ids = probs.topk(cfg.num_experts_per_tok, dim=-1)
+    if cfg.norm_topk_prob:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+
+    experts = f"{prefix}.experts"
+    fmt = detect_expert_format(quant_config, experts, num_experts=cfg.num_experts)
+    fused = f"{experts}.{FUSED_GATE_UP}" in names
+    if fused:
+        gate_up = reader.get_tensor(f"{experts}.{FUSED_GATE_UP}").double()
+        down_all = reader.get_tensor(f"{experts}.{FUSED_DOWN}").double()
+    out = torch.zeros_like(x)
+    for expert in topk_ids.unique().tolist():
+        if fused:
+            gate, up = gate_up[expert].chunk(2)
+            down = down_all[expert]
+        else:
+            gate, up, down = (
+                _projection(reader, f"{experts}.{expert}.{p}", fmt, names) for p in _PROJS
+            )
+        rows, slot = (topk_ids == expert).nonzero(as_tuple=True)
+        weight = topk_weights[rows, slot].unsqueeze(-1)
+        out.index_add_(0, rows, weight * _swiglu(x[rows], gate, up, down))
+
+    shared = f"{prefix}.shared_expert"
+    shared_fmt = detect_expert_format(quant_config, shared)
+    gate, up, down = (_projection(reader, f"{shared}.{p}", shared_fmt, names) for p in _PROJS)
+    shared_gate = reader.get_tensor(f"{prefix}.shared_expert_gate.weight").double()
+    return out + _swiglu(x, gate, up, down) * torch.sigmoid(F.linear(x, shared_gate))

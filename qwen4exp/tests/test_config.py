@@ -1,0 +1,79 @@
+"""Qwen4ExpConfig: keys read from config.json and the errors that name them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from megamoe.qwen4exp.config import Qwen4ExpConfig
+
+BASE: dict[str, Any] = {
+    "model_type": "qwen4_exp",
+    "hidden_size": 256,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 256,
+    "num_hidden_layers": 4,
+}
+
+
+def test_defaults_and_values() -> None:
+    config = Qwen4ExpConfig.from_dict(BASE)
+    assert (config.hidden_size, config.num_experts, config.num_experts_per_tok) == (256, 8, 2)
+    assert config.norm_topk_prob is True
+    assert config.decoder_sparse_step == 1
+    assert config.num_nextn_predict_layers == 0
+    assert config.quantization_config is None
+    assert [config.is_moe_layer(i) for i in range(4)] == [True] * 4
+
+
+def test_sparse_step_and_mlp_only_layers() -> None:
+    config = Qwen4ExpConfig.from_dict(
+        {**BASE, "decoder_sparse_step": 2, "mlp_only_layers": [3], "norm_topk_prob": False}
+    )
+    assert [config.is_moe_layer(i) for i in range(4)] == [False, True, False, False]
+    assert config.norm_topk_prob is False
+
+
+def test_from_json_reads_file_and_directory(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, "num_nextn_predict_layers": 1}))
+    assert Qwen4ExpConfig.from_json(tmp_path).num_nextn_predict_layers == 1
+    assert Qwen4ExpConfig.from_json(tmp_path / "config.json").hidden_size == 256
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"bad\.json: not valid JSON"):
+        Qwen4ExpConfig.from_json(tmp_path / "bad.json")
+    (tmp_path / "list.json").write_text("[1]")
+    with pytest.raises(ValueError, match=r"expected a JSON object, got list"):
+        Qwen4ExpConfig.from_json(tmp_path / "list.json")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"hidden_size": None}, r"config has no 'hidden_size'"),
+        ({"num_experts": 0}, r"config num_experts=0 must be a positive integer"),
+        ({"moe_intermediate_size": 12.5}, r"moe_intermediate_size=12\.5 must be a positive"),
+        ({"num_experts_per_tok": True}, r"num_experts_per_tok=True must be a positive"),
+        ({"num_experts_per_tok": 9}, r"num_experts_per_tok=9 exceeds num_experts=8"),
+        ({"decoder_sparse_step": 0}, r"decoder_sparse_step=0 must be a positive"),
+        ({"norm_topk_prob": "yes"}, r"norm_topk_prob must be true or false, got 'yes'"),
+        ({"mlp_only_layers": [4]}, r"mlp_only_layers=\[4\] must list layer indices in \[0, "),
+        ({"mlp_only_layers": "0"}, r"mlp_only_layers='0'"),
+        ({"num_nextn_predict_layers": -1}, r"num_nextn_predict_layers=-1 must be a non-negative"),
+        ({"quantization_config": "fp8"}, r"quantization_config must be an object, got str"),
+    ],
+)
+def test_invalid_keys_are_named(change: dict[str, Any], message: str) -> None:
+    config = {**BASE, **change}
+    config = {k: v for k, v in config.items() if v is not None}
+    with pytest.raises(ValueError, match=message):
+        Qwen4ExpConfig.from_dict(config)
+
+
+def test_activation_other_than_silu_is_refused() -> None:
+    with pytest.raises(NotImplementedError, match=r"hidden_act='gelu' is not supported"):
+        Qwen4ExpConfig.from_dict({**BASE, "hidden_act": "gelu"})
