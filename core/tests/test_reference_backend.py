@@ -114,11 +114,24 @@ def round_token_fp8_64(v: torch.Tensor) -> torch.Tensor:
     return (q.double() * scale.double()).reshape(v.shape)
 
 
+def round_pow2_64cols_64(v: torch.Tensor) -> torch.Tensor:
+    """E4M3 with a power-of-two scale (>= amax / 448) per 64 columns: Hopper's intermediate."""
+    g = v.reshape(*v.shape[:-1], -1, 64)
+    amax = g.abs().amax(-1, keepdim=True).clamp(min=1e-4)
+    scale = torch.pow(2.0, torch.ceil(torch.log2(amax / 448.0)))
+    return ((g / scale).float().to(torch.float8_e4m3fn).double() * scale).reshape(v.shape)
+
+
+def _bf16_64(v: torch.Tensor) -> torch.Tensor:
+    return v.to(torch.bfloat16).double()
+
+
+# (input rounding, weighted-SwiGLU rounding) per run format.
 EMULATION64 = {
-    WeightFormat.BF16: lambda v: v.to(torch.bfloat16).double(),
-    WeightFormat.FP8_BLOCK: round_token_fp8_64,
-    WeightFormat.MXFP8: round_mx64,
-    WeightFormat.MXFP4: round_mx64,
+    WeightFormat.BF16: (_bf16_64, _bf16_64),
+    WeightFormat.FP8_BLOCK: (round_token_fp8_64, round_pow2_64cols_64),
+    WeightFormat.MXFP8: (round_mx64, round_mx64),
+    WeightFormat.MXFP4: (round_mx64, round_mx64),
 }
 
 
@@ -131,8 +144,8 @@ def moe64(
     emulate: WeightFormat | None = None,
 ) -> torch.Tensor:
     """float64 MoE: sum_k w_k * W2 (silu(W1 x) * (W3 x)) + shared experts (weight 1)."""
-    rnd = EMULATION64[emulate] if emulate is not None else (lambda v: v)
-    x = rnd(x.double())
+    rnd_in, rnd_mid = EMULATION64[emulate] if emulate is not None else (None, None)
+    x = x.double() if rnd_in is None else rnd_in(x.double())
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
         routes = [(int(p), float(w)) for p, w in zip(topk_ids[t], topk_weights[t], strict=True)]
@@ -143,7 +156,7 @@ def moe64(
             if emulate is None:
                 out[t] += gain * (weights["w2"] @ act)
             else:
-                out[t] += weights["w2"] @ rnd((act * gain)[None])[0]
+                out[t] += weights["w2"] @ rnd_mid((act * gain)[None])[0]
     return out
 
 

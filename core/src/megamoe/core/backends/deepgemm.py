@@ -1,0 +1,361 @@
+"""DeepGEMM MegaMoE backend (SPEC §3.5): one fused kernel per MoE layer forward.
+
+Kernel kinds, chosen by the device architecture and the run format:
+
+- ``sm90_fp8`` (Hopper, FP8_BLOCK): ``fp8_mega_moe``. Activations are cast to FP8 with
+  float32 1x128 scales by ``mega_moe_pre_dispatch_sm90``; the weights keep their float32
+  128x128 block scales in [gate | up] order while ``transform_weights_for_mega_moe_sm90``
+  interleaves the gate and up rows of ``w13`` in groups of 8.
+- ``fp8xfp4`` / ``fp8xfp8`` (SM100, MXFP4 / MXFP8): ``fp8_fp4_mega_moe``. Activations are
+  cast to MXFP8 (UE8M0 1x32 scales); weight scales become packed UE8M0 int32 in DeepGEMM's
+  layout (``transform_sf_into_required_layout``) before ``transform_weights_for_mega_moe``
+  interleaves gate/up and rearranges the scales.
+- ``bf16xbf16`` (SM100, BF16): ``bf16_mega_moe``.
+
+What the installed DeepGEMM can do is read from its API (the functions it exposes), never
+from version strings. The physical layout is built expert by expert into kernel tensors
+allocated once (pieces the transform leaves unchanged are the experts module's canonical
+tensors themselves), so finalizing needs at most a few experts' worth of temporary memory,
+and a reload rewrites only the changed experts, in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+from collections.abc import Iterator, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from megamoe.core import quant
+from megamoe.core.backends.base import ExpertsBackend
+from megamoe.core.backends.deepgemm_layout import (
+    KIND_BF16,
+    KIND_FP8XFP4,
+    KIND_FP8XFP8,
+    KIND_SM90,
+    KernelLayout,
+    transform_expert,
+)
+from megamoe.core.backends.symm_buffer import (
+    BufferKey,
+    SymmBufferEntry,
+    check_group,
+    get_symm_buffer,
+    resolve_group,
+)
+from megamoe.core.errors import CapabilityError
+from megamoe.core.formats import (
+    ARCH_REFERENCE,
+    ARCH_SM90,
+    ARCH_SM100,
+    RUNNABLE_FORMATS,
+    WeightFormat,
+    detect_arch,
+)
+from megamoe.core.tagging import check_tags
+
+if TYPE_CHECKING:
+    from megamoe.core.experts import MegaMoEExperts
+
+KERNEL_KINDS = {
+    (ARCH_SM90, WeightFormat.FP8_BLOCK): KIND_SM90,
+    (ARCH_SM100, WeightFormat.MXFP4): KIND_FP8XFP4,
+    (ARCH_SM100, WeightFormat.MXFP8): KIND_FP8XFP8,
+    (ARCH_SM100, WeightFormat.BF16): KIND_BF16,
+}
+PIP_PACKAGE = "sgl-deep-gemm"  # a DeepGEMM build with the Hopper and SM100 MegaMoE kernels
+SM90_MAX_INTERMEDIATE = 4096  # fp8_mega_moe requires intermediate / 64 <= 64
+
+_BUFFER_FN = "get_symm_buffer_for_mega_moe"
+_SM100_FP8_API = (
+    _BUFFER_FN,
+    "transform_sf_into_required_layout",
+    "transform_weights_for_mega_moe",
+    "fp8_fp4_mega_moe",
+)
+REQUIRED_API: dict[str, tuple[str, ...]] = {
+    KIND_SM90: (
+        _BUFFER_FN,
+        "transform_weights_for_mega_moe_sm90",
+        "mega_moe_pre_dispatch_sm90",
+        "fp8_mega_moe",
+    ),
+    KIND_FP8XFP4: _SM100_FP8_API,
+    KIND_FP8XFP8: _SM100_FP8_API,
+    KIND_BF16: (_BUFFER_FN, "transform_weights_for_mega_moe", "bf16_mega_moe"),
+}
+# FP8xFP8 has no entry point of its own: it is fp8_fp4_mega_moe on a buffer built with
+# mma_type="fp8xfp8". It is taken as present when the buffer factory takes
+# ``num_shared_experts``, the API generation that documents that mma_type; a build that
+# still refuses it fails at buffer allocation with a CapabilityError.
+FP8XFP8_MARKER = "num_shared_experts"
+
+
+def _device_arch(device: torch.device) -> str:
+    """Kernel family of ``device`` (a seam for tests that fake an architecture)."""
+    return detect_arch(device)
+
+
+def load_deep_gemm() -> ModuleType:
+    """Import the installed ``deep_gemm``.
+
+    Raises:
+        ImportError: it is missing or fails to load; the message names the pip package.
+    """
+    try:
+        return importlib.import_module("deep_gemm")
+    except Exception as exc:  # a broken build fails with OSError/RuntimeError too
+        raise ImportError(
+            f"deep_gemm does not import ({type(exc).__name__}: {exc}); "
+            f"pip install {PIP_PACKAGE} (a build matching this torch and CUDA)"
+        ) from exc
+
+
+def _takes(fn: Any, parameter: str) -> bool:
+    """Whether callable ``fn`` accepts a keyword ``parameter``."""
+    try:
+        return parameter in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def missing_api(module: ModuleType, kind: str) -> list[str]:
+    """Names of what ``module`` lacks for kernel ``kind`` (empty when it has everything)."""
+    missing = [n for n in REQUIRED_API[kind] if not callable(getattr(module, n, None))]
+    if (
+        kind == KIND_FP8XFP8
+        and not missing
+        and not _takes(module.get_symm_buffer_for_mega_moe, FP8XFP8_MARKER)
+    ):
+        missing.append(f"{_BUFFER_FN}(mma_type='fp8xfp8') (no {FP8XFP8_MARKER} parameter)")
+    return missing
+
+
+def supported_kinds(module: ModuleType) -> frozenset[str]:
+    """The MegaMoE kernel kinds ``module`` exposes."""
+    return frozenset(kind for kind in REQUIRED_API if not missing_api(module, kind))
+
+
+def resolve_kernel(
+    run_format: WeightFormat | str, device: torch.device | str
+) -> tuple[ModuleType, str]:
+    """The ``deep_gemm`` module and kernel kind that run ``run_format`` on ``device``.
+
+    Raises:
+        CapabilityError: the device is not SM90/SM100, its kernel does not run the format,
+            or the installed DeepGEMM lacks a function it needs (named).
+        ImportError: ``deep_gemm`` is not installed or fails to load.
+    """
+    fmt, dev = WeightFormat.parse(run_format), torch.device(device)
+    arch = _device_arch(dev)
+    if arch == ARCH_REFERENCE:
+        cuda = "" if torch.cuda.is_available() else " (CUDA is not available)"
+        raise CapabilityError(
+            f"{dev} is not a CUDA device of a MegaMoE architecture (SM90 Hopper or SM100 "
+            f"Blackwell){cuda}; use backend='reference' there"
+        )
+    kind = KERNEL_KINDS.get((arch, fmt))
+    if kind is None:
+        runs = ", ".join(sorted(f.value for f in RUNNABLE_FORMATS[arch]))
+        raise CapabilityError(
+            f"the {arch} MegaMoE kernel does not run {fmt.value} experts (it runs {runs}); "
+            "pick one of those as the run format (moe_format) or use backend='reference'"
+        )
+    module = load_deep_gemm()
+    missing = missing_api(module, kind)
+    if missing:
+        raise CapabilityError(
+            f"the installed deep_gemm lacks {', '.join(missing)}, needed by the {kind} "
+            f"MegaMoE kernel on {arch}; pip install {PIP_PACKAGE} (a build with MegaMoE)"
+        )
+    return module, kind
+
+
+@contextlib.contextmanager
+def _on_device(device: torch.device) -> Iterator[None]:
+    """Make ``device`` current (DeepGEMM allocates and launches on the current device)."""
+    if device.type != "cuda":
+        yield
+        return
+    with torch.cuda.device(device):
+        yield
+
+
+class DeepGemmBackend(ExpertsBackend):
+    """Runs the experts through DeepGEMM's MegaMoE kernel for the device and run format.
+
+    Every rank of the expert-parallel group must call ``forward`` for each layer (the kernel
+    exchanges tokens between ranks). With ``process_group=None`` the layer runs on one rank
+    over a one-rank group; see ``symm_buffer.resolve_group`` for how that group is found or
+    created. Fused shared experts are not supported: run the shared expert as a separate
+    MLP (``megamoe.core.shared_expert.SwiGLUMLP``).
+    """
+
+    name: ClassVar[str] = "deepgemm"
+
+    def __init__(self) -> None:
+        self._layout: KernelLayout | None = None
+        self._entry: SymmBufferEntry | None = None
+        self._kernel: tuple[ModuleType, str] | None = None
+
+    @classmethod
+    def unsupported_reason(cls, run_format: WeightFormat, device: torch.device) -> str | None:
+        """Why DeepGEMM cannot run ``run_format`` on ``device``, None when it can."""
+        try:
+            resolve_kernel(run_format, device)
+        except (CapabilityError, ImportError) as exc:
+            return str(exc)
+        return None
+
+    @property
+    def kernel_weights(self) -> dict[str, torch.Tensor]:
+        """The tensors the kernel reads, by name (empty before the first ``prepare``)."""
+        return {} if self._layout is None else self._layout.named()
+
+    @property
+    def symm_buffer(self) -> SymmBufferEntry | None:
+        """The symmetric buffer this layer uses (None before the first ``prepare``)."""
+        return self._entry
+
+    def check_layer(self, experts: MegaMoEExperts) -> None:
+        """Refuse what DeepGEMM cannot run, before the experts allocate their weights.
+
+        Raises:
+            CapabilityError: no kernel for the format here, a missing DeepGEMM function,
+                or fused shared experts.
+            ImportError: ``deep_gemm`` does not import.
+            ValueError: an intermediate size beyond the Hopper kernel's limit, or
+                ``process_group=None`` while several ranks run.
+        """
+        _, kind = resolve_kernel(experts.weight_format, experts.device)
+        label = experts.layout.label
+        if experts.num_shared_experts:
+            raise CapabilityError(
+                f"{label}: the DeepGEMM backend does not fuse shared experts "
+                f"(num_shared_experts={experts.num_shared_experts}); build the layer with "
+                "num_shared_experts=0 and run the shared expert as a separate MLP "
+                "(megamoe.core.shared_expert.SwiGLUMLP), or use backend='reference'"
+            )
+        if kind == KIND_SM90 and experts.intermediate_size > SM90_MAX_INTERMEDIATE:
+            raise ValueError(
+                f"{label}: intermediate_size={experts.intermediate_size} exceeds "
+                f"{SM90_MAX_INTERMEDIATE}, the largest the Hopper fp8_mega_moe kernel runs "
+                "(intermediate / 64 <= 64); use backend='reference' for this layer"
+            )
+        check_group(experts.process_group)
+
+    def prepare(self, experts: MegaMoEExperts, local_ids: Sequence[int]) -> None:
+        """Build or refresh the kernel layout of the given experts, in place.
+
+        The first call allocates the symmetric buffer (or takes the cached one) and the
+        kernel tensors, then transforms every expert; later calls rewrite only the given
+        experts into the same tensors.
+
+        Raises:
+            CapabilityError / ImportError / ValueError: as ``check_layer``.
+            ValueError: the first call does not cover every local expert.
+            RuntimeError: the buffer would be allocated during CUDA-graph capture.
+        """
+        self.check_layer(experts)
+        module, kind = resolve_kernel(experts.weight_format, experts.device)
+        slots = sorted(set(local_ids))
+        if self._layout is None and slots != list(range(experts.num_local_experts)):
+            raise ValueError(
+                f"{experts.layout.label}: the first prepare() must cover all "
+                f"{experts.num_local_experts} local experts, got {len(slots)}"
+            )
+        with _on_device(experts.device):
+            self._entry = self._buffer(module, kind, experts)
+            for slot in slots:
+                pieces, canonical = transform_expert(module, kind, experts, slot)
+                if self._layout is None:
+                    self._layout = KernelLayout.allocate(
+                        pieces, canonical, experts.num_local_experts, experts.kernel_tag
+                    )
+                self._layout.write(slot, pieces, canonical)
+        self._kernel = (module, kind)
+
+    def _buffer(self, module: ModuleType, kind: str, experts: MegaMoEExperts) -> SymmBufferEntry:
+        """The cached symmetric buffer for this layer's shape and kind."""
+        group = resolve_group(experts.process_group, experts.device)
+        h, i = experts.hidden_size, experts.intermediate_size
+        sizes = (experts.num_experts, experts.max_num_tokens, experts.top_k, h, i)
+        key = BufferKey(group, experts.device, *sizes, kind)
+        args = (group, *sizes)
+
+        def allocate() -> Any:
+            if kind == KIND_SM90:
+                return module.get_symm_buffer_for_mega_moe(*args)
+            kwargs: dict[str, Any] = {"mma_type": kind}
+            if _takes(module.get_symm_buffer_for_mega_moe, FP8XFP8_MARKER):
+                kwargs[FP8XFP8_MARKER] = 0
+            try:
+                return module.get_symm_buffer_for_mega_moe(*args, **kwargs)
+            except (AssertionError, ValueError, NotImplementedError) as exc:
+                raise CapabilityError(
+                    f"the installed deep_gemm refused a {kind} MegaMoE buffer ({exc}); "
+                    f"pip install {PIP_PACKAGE} (a build with the {kind} kernel) or choose "
+                    "another run format"
+                ) from exc
+
+        return get_symm_buffer(key, experts.kernel_tag, allocate)
+
+    def forward(
+        self,
+        experts: MegaMoEExperts,
+        hidden_states: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """This rank's routed expert output through the MegaMoE kernel, (T, H) bfloat16.
+
+        Raises:
+            RuntimeError: ``prepare`` has not run.
+            ValueError: more tokens than the symmetric buffer holds.
+            FormatMismatchError: the buffer or kernel tensors carry another format's tag.
+        """
+        label = experts.layout.label
+        if self._layout is None or self._entry is None or self._kernel is None:
+            raise RuntimeError(
+                f"{label}: the DeepGEMM backend has no kernel weights; call finalize() first"
+            )
+        module, kind = self._kernel
+        entry, tokens = self._entry, hidden_states.shape[0]
+        if tokens > entry.capacity:
+            raise ValueError(
+                f"{label}: {tokens} tokens exceed the DeepGEMM symmetric buffer's capacity of "
+                f"{entry.capacity} tokens per rank; raise max_num_tokens (now "
+                f"{experts.max_num_tokens}) when building the layer, or split the batch"
+            )
+        check_tags(
+            experts.kernel_tag, {"symmetric buffer": entry.buffer, **self._layout.named()}, label
+        )
+        l1w, l1s, l2w, l2s = self._layout.pieces
+        buf = entry.buffer
+        with _on_device(experts.device):
+            x = hidden_states.contiguous()
+            weights = topk_weights.to(torch.float32).contiguous()
+            y = torch.empty((tokens, experts.hidden_size), dtype=torch.bfloat16, device=x.device)
+            if kind == KIND_SM90:
+                ids = topk_ids.to(torch.int32).contiguous()
+                staged = (buf.x, buf.x_sf, buf.topk_idx, buf.topk_weights)
+                module.mega_moe_pre_dispatch_sm90(x, ids, weights, *staged, tokens)
+                module.fp8_mega_moe(y, (l1w, l1s), (l2w, l2s), buf)
+                return y
+            if kind == KIND_BF16:
+                buf.x[:tokens].copy_(x)
+            else:
+                values, scale_ue8m0 = quant.quantize_mx(x, WeightFormat.MXFP8, name="hidden_states")
+                buf.x[:tokens].copy_(values)
+                buf.x_sf[:tokens].copy_(scale_ue8m0.view(torch.int32))  # 4 scales per int32
+            buf.topk_idx[:tokens].copy_(topk_ids)
+            buf.topk_weights[:tokens].copy_(weights)
+            if kind == KIND_BF16:
+                module.bf16_mega_moe(y, l1w, l2w, buf)
+            else:
+                module.fp8_fp4_mega_moe(y, (l1w, l1s), (l2w, l2s), buf)
+        return y

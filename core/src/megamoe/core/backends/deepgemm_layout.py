@@ -1,0 +1,190 @@
+"""DeepGEMM MegaMoE's physical layout of one rank's experts, built expert by expert.
+
+DeepGEMM's own transforms (``transform_weights_for_mega_moe_sm90`` on Hopper;
+``transform_sf_into_required_layout`` + ``transform_weights_for_mega_moe`` on SM100) run
+on one expert at a time, and each result is copied into kernel tensors allocated once for
+all local experts. Finalizing therefore needs only a few experts' worth of temporary
+memory, and a reload rewrites the changed experts in place (addresses captured by CUDA
+graphs stay valid). Pieces the transform returns unchanged (Hopper: the block scales and
+``w2``; SM100: ``w2``) are not copied: the kernel reads the canonical tensors themselves.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import torch
+
+from megamoe.core.tagging import KernelTag, tag
+
+if TYPE_CHECKING:
+    from megamoe.core.experts import MegaMoEExperts
+
+KIND_SM90 = "sm90_fp8"  # fp8_mega_moe: FP8 x FP8 with float32 128x128 weight block scales
+KIND_FP8XFP4 = "fp8xfp4"  # fp8_fp4_mega_moe: MXFP8 activations x MXFP4 weights
+KIND_FP8XFP8 = "fp8xfp8"  # fp8_fp4_mega_moe: MXFP8 activations x MXFP8 weights
+KIND_BF16 = "bf16xbf16"  # bf16_mega_moe
+MX_GROUP = 32  # columns per UE8M0 scale
+UE8M0_SHIFT = 23  # a UE8M0 exponent is the float32 exponent field: bits 23..30
+PIECES = ("l1_weight", "l1_scale", "l2_weight", "l2_scale")
+
+Pieces = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
+def _canonical(experts: MegaMoEExperts) -> Pieces:
+    """The experts' canonical (w13, w13 scale, w2, w2 scale), None where a format has none."""
+    params = experts.kernel_params
+    names = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
+    found = [params[n].data if n in params else None for n in names]
+    return found[0], found[1], found[2], found[3]
+
+
+def _require(tensor: torch.Tensor | None, what: str) -> torch.Tensor:
+    """``tensor``, or a RuntimeError naming the missing canonical tensor."""
+    if tensor is None:
+        raise RuntimeError(f"the experts module has no {what} (its run format does not match)")
+    return tensor
+
+
+def transform_expert(
+    module: ModuleType, kind: str, experts: MegaMoEExperts, slot: int
+) -> tuple[Pieces, Pieces]:
+    """DeepGEMM's layout of one local expert.
+
+    Args:
+        module: the ``deep_gemm`` module.
+        kind: the kernel kind.
+        experts: the experts module (canonical tensors).
+        slot: the local expert.
+
+    Returns:
+        ``(pieces, canonical)``: the expert's (l1 weight, l1 scale, l2 weight, l2 scale) in
+        the kernel's layout, each (1, ...), and the full canonical tensors each piece may
+        be an unchanged slice of (None where it cannot be).
+    """
+    w13, s13, w2, s2 = _canonical(experts)
+    w13, w2 = _require(w13, "w13_weight"), _require(w2, "w2_weight")
+    one = slice(slot, slot + 1)
+    if kind == KIND_SM90:
+        s13, s2 = _require(s13, "w13_weight_scale"), _require(s2, "w2_weight_scale")
+        (a, b), (c, d) = module.transform_weights_for_mega_moe_sm90(
+            (w13[one], s13[one]), (w2[one], s2[one])
+        )
+        return (a, b, c, d), (w13, s13, w2, s2)
+    if kind == KIND_BF16:
+        a, c = module.transform_weights_for_mega_moe(w13[one], w2[one])
+        return (a, None, c, None), (w13, None, w2, None)
+    s13, s2 = _require(s13, "w13_weight_scale"), _require(s2, "w2_weight_scale")
+    if kind == KIND_FP8XFP4:  # DeepGEMM takes packed E2M1 pairs as int8
+        w13, w2 = w13.view(torch.int8), w2.view(torch.int8)
+    h, i = experts.hidden_size, experts.intermediate_size
+    sf13 = sm100_scale(module, s13[one], 2 * i, h)
+    sf2 = sm100_scale(module, s2[one], h, i)
+    (a, b), (c, d) = module.transform_weights_for_mega_moe((w13[one], sf13), (w2[one], sf2))
+    return (a, b, c, d), (w13, None, w2, None)
+
+
+def sm100_scale(module: ModuleType, scale_ue8m0: torch.Tensor, mn: int, k: int) -> torch.Tensor:
+    """UE8M0 bytes (1, mn, k/32) -> DeepGEMM's packed int32 scale layout (1, mn, k/128).
+
+    Each byte becomes the float32 power of two with that exponent field (exact for every
+    byte), which DeepGEMM packs back into bytes, four per int32, in its own layout.
+    """
+    scale_pow2 = (scale_ue8m0.to(torch.int32) << UE8M0_SHIFT).view(torch.float32)
+    packed = module.transform_sf_into_required_layout(scale_pow2, mn, k, (1, MX_GROUP), 1)
+    return packed if packed.dim() == 3 else packed.unsqueeze(0)
+
+
+def _empty_experts(sample: torch.Tensor, count: int) -> torch.Tensor:
+    """Storage for ``count`` experts laid out like ``sample`` (one expert, (1, ...))."""
+    inner = [st * n for st, n in zip(sample.stride()[1:], sample.shape[1:], strict=True)]
+    return torch.empty_strided(
+        (count, *sample.shape[1:]),
+        (max([sample.stride(0), *inner]), *sample.stride()[1:]),
+        dtype=sample.dtype,
+        device=sample.device,
+    )
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` are the same memory seen the same way."""
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride()[1:] == b.stride()[1:]
+    )
+
+
+class KernelLayout:
+    """The tensors the kernel reads for one rank's experts, updated in place.
+
+    Attributes:
+        pieces: (l1 weight, l1 scale, l2 weight, l2 scale), None where the kind has none.
+        aliased: per piece, whether it is the canonical tensor itself (not copied).
+    """
+
+    def __init__(self, pieces: Pieces, aliased: tuple[bool, ...]) -> None:
+        self.pieces = pieces
+        self.aliased = aliased
+
+    @classmethod
+    def allocate(
+        cls, first: Pieces, canonical: Pieces, count: int, kernel_tag: KernelTag
+    ) -> KernelLayout:
+        """Kernel tensors for ``count`` experts, shaped after expert 0's pieces ``first``.
+
+        A piece that is an unchanged slice of its canonical tensor is that tensor; others
+        get storage of their own. Every piece is tagged with ``kernel_tag``.
+        """
+        tensors: list[torch.Tensor | None] = []
+        aliased: list[bool] = []
+        for piece, full in zip(first, canonical, strict=True):
+            if piece is None:
+                tensors.append(None)
+                aliased.append(False)
+                continue
+            alias = full is not None and _same_view(piece, full[0:1])
+            kept = full if alias and full is not None else _empty_experts(piece, count)
+            tag(kept, kernel_tag)  # a view of a canonical tensor carries no tag of its own
+            tensors.append(kept)
+            aliased.append(alias)
+        return cls((tensors[0], tensors[1], tensors[2], tensors[3]), tuple(aliased))
+
+    def write(self, slot: int, pieces: Pieces, canonical: Pieces) -> None:
+        """Store one expert's transformed pieces into the kernel tensors, in place.
+
+        Raises:
+            RuntimeError: a piece that was an unchanged canonical slice for the first
+                expert is not for this one (DeepGEMM's transform behaves inconsistently).
+        """
+        for name, piece, full, target, aliased in zip(
+            PIECES, pieces, canonical, self.pieces, self.aliased, strict=True
+        ):
+            if piece is None or target is None:
+                continue
+            if aliased:
+                if full is None or not _same_view(piece, full[slot : slot + 1]):
+                    raise RuntimeError(
+                        f"deep_gemm's weight transform returned a new {name} for expert {slot} "
+                        "after leaving it in place for expert 0; rebuild the layer"
+                    )
+                continue
+            target[slot].copy_(piece[0])
+
+    def named(self) -> dict[str, torch.Tensor]:
+        """The kernel tensors by name (for tag checks and inspection)."""
+        return {
+            f"deepgemm {name}": t
+            for name, t in zip(PIECES, self.pieces, strict=True)
+            if t is not None
+        }
+
+    def nbytes(self, *, owned_only: bool = False) -> int:
+        """Bytes of the kernel tensors (``owned_only``: those not aliasing canonical ones)."""
+        return sum(
+            t.untyped_storage().nbytes()
+            for t, alias in zip(self.pieces, self.aliased, strict=True)
+            if t is not None and not (owned_only and alias)
+        )

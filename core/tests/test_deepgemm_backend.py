@@ -1,0 +1,494 @@
+"""The DeepGEMM backend on CPU, against a strict fake ``deep_gemm`` and a faked architecture.
+
+The fake (``fake_deep_gemm.py``) checks every tensor handed to it and computes the MoE from
+the kernel layout, so these tests compare the backend's output with a float64 MoE written
+here, independently, from the checkpoint tensors.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megamoe.core.backends import deepgemm as dg_backend
+from megamoe.core.backends import symm_buffer
+from megamoe.core.backends.deepgemm import DeepGemmBackend, missing_api, supported_kinds
+from megamoe.core.errors import CapabilityError, FormatMismatchError, NonFiniteError
+from megamoe.core.experts import MegaMoEExperts
+from megamoe.core.formats import WeightFormat
+from megamoe.core.tagging import KernelTag, tag
+from megamoe.core.testing import synthetic_expert_tensors
+
+
+def _load_fake() -> ModuleType:
+    name = "megamoe_tests_fake_deep_gemm"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            name, Path(__file__).with_name("fake_deep_gemm.py")
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+fake_dg = _load_fake()
+E, TOP_K, H, INTER, T = 4, 2, 256, 256, 24
+PREFIX = "model.layers.3.mlp.experts"
+ARCH_OF = {
+    WeightFormat.BF16: "sm100",
+    WeightFormat.MXFP8: "sm100",
+    WeightFormat.MXFP4: "sm100",
+    WeightFormat.FP8_BLOCK: "sm90",
+}
+# float64 MoE without activation rounding vs the kernel's rounded activations: E4M3
+# activations (3 mantissa bits) cost a few percent, bf16 well under one.
+FLOAT_TOL = {
+    WeightFormat.BF16: 0.01,
+    WeightFormat.MXFP8: 0.08,
+    WeightFormat.MXFP4: 0.08,
+    WeightFormat.FP8_BLOCK: 0.08,
+}
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_buffers() -> Iterator[None]:
+    symm_buffer.clear_symm_buffers()
+    yield
+    symm_buffer.clear_symm_buffers()
+
+
+def install(
+    monkeypatch: pytest.MonkeyPatch, arch: str, kinds: frozenset[str] | None = None
+) -> object:
+    """Put a fake deep_gemm in sys.modules, fake the architecture and the one-rank group."""
+    default = frozenset({fake_dg.SM90_KIND}) if arch == "sm90" else fake_dg.SM100_KINDS
+    fake = fake_dg.FakeDeepGemm(arch=arch, kinds=default if kinds is None else kinds)
+    monkeypatch.setitem(sys.modules, "deep_gemm", fake.module())
+    monkeypatch.setattr(dg_backend, "_device_arch", lambda device: arch)
+    group = fake_dg.FakeGroup()
+    monkeypatch.setattr(dg_backend, "resolve_group", lambda process_group, device: group)
+    return fake
+
+
+def build(
+    fmt: WeightFormat, backend: str, *, seed: int = 0, max_tokens: int = T, emulate: bool = False
+) -> MegaMoEExperts:
+    experts = MegaMoEExperts(
+        num_experts=E,
+        num_local_experts=E,
+        experts_start_idx=0,
+        num_logical_experts=E,
+        top_k=TOP_K,
+        hidden_size=H,
+        intermediate_size=INTER,
+        weight_format=fmt,
+        checkpoint_format=fmt,
+        max_num_tokens=max_tokens,
+        backend=backend,
+        device="cpu",
+        prefix=PREFIX,
+        emulate_kernel=emulate,
+    )
+    experts.load_weights(synthetic_expert_tensors(fmt, E, H, INTER, seed=seed))
+    experts.finalize()
+    return experts
+
+
+def inputs(tokens: int = T, seed: int = 7) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    gain = torch.exp2(torch.rand(tokens, 1, generator=gen) * 4 - 2)  # per-token magnitude
+    x = (torch.randn(tokens, H, generator=gen) * gain).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:TOP_K] for _ in range(tokens)])
+    ids[::5, -1] = -1  # unused slots
+    weights = torch.softmax(torch.randn(tokens, TOP_K, generator=gen), -1)
+    weights = weights.masked_fill(ids < 0, 0.0)
+    return x, weights.float(), ids.to(torch.int32)
+
+
+def _decode(fmt: WeightFormat, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """float64 of one checkpoint projection, written here independently of megamoe.core."""
+    if fmt is WeightFormat.BF16:
+        return weight.double()
+    assert scale is not None
+    if fmt is WeightFormat.FP8_BLOCK:
+        return weight.double() * scale.double().repeat_interleave(128, 0).repeat_interleave(128, 1)
+    if fmt is WeightFormat.MXFP8:
+        values = weight.double()
+    else:
+        b = weight.to(torch.int64)
+        codes = torch.stack([b & 0xF, b >> 4], -1).flatten(-2)
+        values = torch.where(codes >= 8, -E2M1[codes & 7], E2M1[codes & 7])
+    return values * torch.exp2(scale.double() - 127).repeat_interleave(32, 1)
+
+
+def float64_moe(
+    fmt: WeightFormat,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    seed: int = 0,
+    overrides: dict[int, int] | None = None,
+) -> torch.Tensor:
+    """sum_k w_k * (silu(x W1^T) * (x W3^T)) W2^T in float64; ``overrides`` maps an expert
+    to the seed of the checkpoint its weights come from."""
+    tensors: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
+    for s in {seed, *(overrides or {}).values()}:
+        for name, t in synthetic_expert_tensors(fmt, E, H, INTER, seed=s):
+            expert, proj, kind = name.split(".")
+            tensors.setdefault(s, {}).setdefault(f"{expert}.{proj}", {})[kind] = t
+    scale_name = fmt.scale_name
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for e in range(E):
+        src = tensors[(overrides or {}).get(e, seed)]
+        w1, w3, w2 = (
+            _decode(fmt, src[f"{e}.{p}"]["weight"], src[f"{e}.{p}"].get(scale_name or ""))
+            for p in ("gate_proj", "up_proj", "down_proj")
+        )
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        xs = x[tok].double()
+        y = (F.silu(xs @ w1.T) * (xs @ w3.T)) @ w2.T
+        out.index_add_(0, tok, y * weights[tok, slot, None].double())
+    return out
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+FORMATS = [WeightFormat.BF16, WeightFormat.MXFP8, WeightFormat.MXFP4, WeightFormat.FP8_BLOCK]
+
+
+# ------------------------------------------------------------------ capabilities
+def test_supported_kinds_follow_the_api() -> None:
+    full = fake_dg.FakeDeepGemm(arch="sm100").module()
+    assert supported_kinds(full) == {"fp8xfp4", "fp8xfp8", "bf16xbf16"}
+    # Without the num_shared_experts generation, fp8xfp8 is not claimed.
+    older = fake_dg.FakeDeepGemm(arch="sm100", kinds=frozenset({"fp8xfp4", "bf16xbf16"})).module()
+    assert supported_kinds(older) == {"fp8xfp4", "bf16xbf16"}
+    assert "mma_type='fp8xfp8'" in missing_api(older, "fp8xfp8")[0]
+    hopper = fake_dg.FakeDeepGemm(arch="sm90", kinds=frozenset({fake_dg.SM90_KIND})).module()
+    assert supported_kinds(hopper) == {"sm90_fp8"}
+    del hopper.mega_moe_pre_dispatch_sm90
+    assert missing_api(hopper, "sm90_fp8") == ["mega_moe_pre_dispatch_sm90"]
+
+
+@pytest.mark.parametrize(
+    ("arch", "fmt", "kinds", "expected"),
+    [
+        ("reference", WeightFormat.FP8_BLOCK, None, "is not a CUDA device"),
+        (
+            "sm100",
+            WeightFormat.FP8_BLOCK,
+            None,
+            "does not run fp8_block experts (it runs bf16, mxfp4, mxfp8)",
+        ),
+        ("sm90", WeightFormat.MXFP8, None, "does not run mxfp8 experts (it runs fp8_block)"),
+        (
+            "sm100",
+            WeightFormat.MXFP4,
+            frozenset({"bf16xbf16"}),
+            "lacks transform_sf_into_required_layout, fp8_fp4_mega_moe",
+        ),
+        ("sm100", WeightFormat.MXFP4, None, None),
+        ("sm90", WeightFormat.FP8_BLOCK, None, None),
+    ],
+)
+def test_unsupported_reason(
+    monkeypatch: pytest.MonkeyPatch,
+    arch: str,
+    fmt: WeightFormat,
+    kinds: frozenset[str] | None,
+    expected: str | None,
+) -> None:
+    install(monkeypatch, arch if arch != "reference" else "sm100", kinds)
+    monkeypatch.setattr(dg_backend, "_device_arch", lambda device: arch)
+    reason = DeepGemmBackend.unsupported_reason(fmt, torch.device("cpu"))
+    if expected is None:
+        assert reason is None
+    else:
+        assert reason is not None and expected in reason
+    if kinds is not None:
+        assert reason is not None and "pip install sgl-deep-gemm" in reason
+        with pytest.raises(CapabilityError, match="fp8_fp4_mega_moe"):
+            build(fmt, "deepgemm")
+
+
+def test_missing_deep_gemm_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dg_backend, "_device_arch", lambda device: "sm90")
+    monkeypatch.setitem(sys.modules, "deep_gemm", None)  # import fails
+    reason = DeepGemmBackend.unsupported_reason(WeightFormat.FP8_BLOCK, torch.device("cpu"))
+    assert reason is not None and "deep_gemm does not import" in reason
+    assert "pip install sgl-deep-gemm" in reason
+    auto = MegaMoEExperts(
+        num_experts=E,
+        num_local_experts=E,
+        experts_start_idx=0,
+        num_logical_experts=E,
+        top_k=TOP_K,
+        hidden_size=H,
+        intermediate_size=INTER,
+        weight_format="fp8_block",
+        checkpoint_format="fp8_block",
+        backend="auto",
+    )
+    assert auto.backend.name == "reference"
+
+
+# ------------------------------------------------------------------ numerics
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
+def test_forward_matches_float64_moe(monkeypatch: pytest.MonkeyPatch, fmt: WeightFormat) -> None:
+    fake = install(monkeypatch, ARCH_OF[fmt])
+    experts = build(fmt, "deepgemm")
+    assert experts.backend.name == "deepgemm"
+    x, weights, ids = inputs()
+    y = experts(x, weights, ids)
+    assert y.dtype == torch.bfloat16 and y.shape == (T, H)
+    want = float64_moe(fmt, x, weights, ids)
+    assert rel(y, want) <= FLOAT_TOL[fmt]
+    assert fake.kernel_calls == 1  # type: ignore[attr-defined]
+    if fmt is not WeightFormat.FP8_BLOCK:
+        # The reference backend emulating the SM100 kernel rounds activations the same way.
+        reference = build(fmt, "reference", emulate=True)
+        assert rel(y, reference(x, weights, ids)) <= 1e-2
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
+def test_swapped_gate_and_up_is_caught(monkeypatch: pytest.MonkeyPatch, fmt: WeightFormat) -> None:
+    install(monkeypatch, ARCH_OF[fmt])
+    experts = build(fmt, "deepgemm")
+    x, weights, ids = inputs()
+    want = float64_moe(fmt, x, weights, ids)
+    assert rel(experts(x, weights, ids), want) <= FLOAT_TOL[fmt]
+    names = ["w13_weight"] + (["w13_weight_scale"] if fmt.scale_block else [])
+    for name in names:  # swap the halves of each canonical tensor, then of the scales alone
+        data = experts.kernel_params[name].data
+        half = data.shape[1] // 2
+        data.copy_(torch.cat([data[:, half:], data[:, :half]], 1))
+        experts.backend.prepare(experts, range(E))
+        assert rel(experts(x, weights, ids), want) > 0.2, name
+
+
+def test_fake_refuses_what_deepgemm_would(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = install(monkeypatch, "sm100")
+    experts = build(WeightFormat.MXFP8, "deepgemm")
+    module = sys.modules["deep_gemm"]
+    buf = experts.backend.symm_buffer.buffer  # type: ignore[union-attr]
+    l1w, l1s, l2w, l2s = experts.backend._layout.pieces  # type: ignore[union-attr]
+    y = torch.empty((4, H), dtype=torch.bfloat16)
+    canonical = experts.kernel_params["w13_weight"].data
+    with pytest.raises(fake_dg.FakeDeepGemmError, match="not produced by a DeepGEMM transform"):
+        module.fp8_fp4_mega_moe(y, (canonical, l1s), (l2w, l2s), buf)
+    with pytest.raises(fake_dg.FakeDeepGemmError, match="not MN-major"):
+        module.fp8_fp4_mega_moe(y, (l1w, l1s.contiguous()), (l2w, l2s), buf)
+    with pytest.raises(fake_dg.FakeDeepGemmError, match="bfloat16 tensor"):
+        module.fp8_fp4_mega_moe(y.float(), (l1w, l1s), (l2w, l2s), buf)
+    with pytest.raises(fake_dg.FakeDeepGemmError, match="powers of two"):
+        module.transform_sf_into_required_layout(
+            torch.full((1, 2 * INTER, H // 32), 0.75), 2 * INTER, H, (1, 32), 1
+        )
+    assert fake.kernel_calls == 0  # type: ignore[attr-defined]
+
+
+# ------------------------------------------------------------------ buffers
+def test_one_buffer_per_shape_and_kind_allocated_at_finalize(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = install(monkeypatch, "sm100")
+    first = build(WeightFormat.MXFP4, "deepgemm", seed=0)
+    second = build(WeightFormat.MXFP4, "deepgemm", seed=1)
+    assert len(fake.buffers) == 1  # type: ignore[attr-defined]
+    entry = first.backend.symm_buffer
+    assert entry is second.backend.symm_buffer and entry is not None
+    assert entry.capacity == T and entry.key.kind == "fp8xfp4"
+    assert entry.kernel_tag == first.kernel_tag == KernelTag.for_format(WeightFormat.MXFP4)
+    x, weights, ids = inputs()
+    first(x, weights, ids)
+    second(x, weights, ids)
+    assert len(fake.buffers) == 1  # type: ignore[attr-defined]  # forward never allocates
+    build(WeightFormat.MXFP4, "deepgemm", max_tokens=2 * T)
+    build(WeightFormat.BF16, "deepgemm")
+    assert [b.kind for b in fake.buffers] == ["fp8xfp4", "fp8xfp4", "bf16xbf16"]  # type: ignore[attr-defined]
+    assert len(symm_buffer.cached_buffers()) == 3
+
+
+def test_more_tokens_than_the_buffer_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    install(monkeypatch, "sm90")
+    experts = build(WeightFormat.FP8_BLOCK, "deepgemm")
+    x, weights, ids = inputs(T + 1)
+    with pytest.raises(
+        ValueError,
+        match=rf"{T + 1} tokens exceed the DeepGEMM symmetric buffer's capacity of {T} "
+        "tokens per rank; raise max_num_tokens",
+    ):
+        experts.backend.forward(experts, x, weights, ids)
+    with pytest.raises(ValueError, match=rf"{T + 1} tokens exceed max_num_tokens={T}"):
+        experts(x, weights, ids)
+
+
+def test_tags_of_buffer_and_kernel_tensors_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    install(monkeypatch, "sm100")
+    experts = build(WeightFormat.MXFP8, "deepgemm")
+    entry = experts.backend.symm_buffer
+    assert entry is not None
+    x, weights, ids = inputs()
+    other = KernelTag.for_format(WeightFormat.MXFP4)
+    tag(entry.buffer, other)
+    with pytest.raises(FormatMismatchError, match="symmetric buffer is tagged mxfp4"):
+        experts(x, weights, ids)
+    tag(entry.buffer, experts.kernel_tag)
+    tag(experts.backend.kernel_weights["deepgemm l1_scale"], other)
+    with pytest.raises(FormatMismatchError, match="deepgemm l1_scale is tagged mxfp4"):
+        experts(x, weights, ids)
+    with pytest.raises(FormatMismatchError, match="serves mxfp8"):
+        symm_buffer.get_symm_buffer(entry.key, other, lambda: pytest.fail("reallocated"))
+
+
+# ------------------------------------------------------------------ reload
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
+def test_reload_of_some_experts_is_in_place(
+    monkeypatch: pytest.MonkeyPatch, fmt: WeightFormat
+) -> None:
+    fake = install(monkeypatch, ARCH_OF[fmt])
+    experts = build(fmt, "deepgemm", seed=0)
+    before = {n: t.data_ptr() for n, t in experts.backend.kernel_weights.items()}
+    calls = fake.transform_calls  # type: ignore[attr-defined]
+    assert calls == E
+    changed = {1: 5, 3: 5}
+    experts.load_weights(
+        (n, t)
+        for n, t in synthetic_expert_tensors(fmt, E, H, INTER, seed=5)
+        if int(n.split(".")[0]) in changed
+    )
+    experts.finalize()
+    assert fake.transform_calls == calls + len(changed)  # type: ignore[attr-defined]
+    assert {n: t.data_ptr() for n, t in experts.backend.kernel_weights.items()} == before
+    x, weights, ids = inputs()
+    assert (
+        rel(experts(x, weights, ids), float64_moe(fmt, x, weights, ids, overrides=changed))
+        <= FLOAT_TOL[fmt]
+    )
+
+
+def test_failed_reload_keeps_serving(monkeypatch: pytest.MonkeyPatch) -> None:
+    install(monkeypatch, "sm90")
+    experts = build(WeightFormat.FP8_BLOCK, "deepgemm")
+    x, weights, ids = inputs()
+    served = experts(x, weights, ids)
+    update = dict(synthetic_expert_tensors(WeightFormat.FP8_BLOCK, E, H, INTER, seed=9))
+    update["2.up_proj.weight_scale_inv"] = update["2.up_proj.weight_scale_inv"].clone()
+    update["2.up_proj.weight_scale_inv"][0, 0] = float("nan")
+    with pytest.raises(NonFiniteError):
+        experts.load_weights(update.items())
+    experts.finalize()
+    assert torch.equal(experts(x, weights, ids).view(torch.int16), served.view(torch.int16))
+
+
+@pytest.mark.parametrize(
+    ("fmt", "aliased"),
+    [
+        (
+            WeightFormat.FP8_BLOCK,
+            {
+                "l1_scale": "w13_weight_scale",
+                "l2_weight": "w2_weight",
+                "l2_scale": "w2_weight_scale",
+            },
+        ),
+        (WeightFormat.MXFP4, {"l2_weight": "w2_weight"}),
+        (WeightFormat.BF16, {"l2_weight": "w2_weight"}),
+    ],
+    ids=lambda v: getattr(v, "value", ""),
+)
+def test_unchanged_pieces_are_not_copied(
+    monkeypatch: pytest.MonkeyPatch, fmt: WeightFormat, aliased: dict[str, str]
+) -> None:
+    install(monkeypatch, ARCH_OF[fmt])
+    experts = build(fmt, "deepgemm")
+    params = experts.kernel_params
+    for name, tensor in experts.backend.kernel_weights.items():
+        piece = name.removeprefix("deepgemm ")
+        shares = tensor.data_ptr() == params[aliased.get(piece, "w13_weight")].data_ptr()
+        assert shares == (piece in aliased), name
+
+
+# ------------------------------------------------------------------ refusals
+def test_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
+    install(monkeypatch, "sm90")
+    common = dict(
+        num_experts=E,
+        num_local_experts=E,
+        experts_start_idx=0,
+        num_logical_experts=E,
+        top_k=TOP_K,
+        hidden_size=H,
+        weight_format="fp8_block",
+        checkpoint_format="fp8_block",
+        backend="deepgemm",
+    )
+    with pytest.raises(ValueError, match="intermediate_size=4224 exceeds 4096"):
+        MegaMoEExperts(intermediate_size=4224, **common)  # type: ignore[arg-type]
+    with pytest.raises(CapabilityError, match="does not fuse shared experts"):
+        MegaMoEExperts(intermediate_size=INTER, num_shared_experts=1, **common)  # type: ignore[arg-type]
+    experts = build(WeightFormat.FP8_BLOCK, "deepgemm")
+    with pytest.raises(
+        ValueError, match="first prepare\\(\\) must cover all 4 local experts, got 1"
+    ):
+        DeepGemmBackend().prepare(experts, [0])
+    with pytest.raises(RuntimeError, match="call finalize\\(\\) first"):
+        DeepGemmBackend().forward(experts, *inputs())
+
+
+def test_fp8xfp8_refused_by_the_build_is_a_capability_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = fake_dg.FakeDeepGemm(arch="sm100", kinds=frozenset({"fp8xfp4", "bf16xbf16"}))
+    module = fake.module()
+    module.get_symm_buffer_for_mega_moe = fake._buffer_fn_with_shared()  # claims the API generation
+    monkeypatch.setitem(sys.modules, "deep_gemm", module)
+    monkeypatch.setattr(dg_backend, "_device_arch", lambda device: "sm100")
+    monkeypatch.setattr(
+        dg_backend, "resolve_group", lambda process_group, device: fake_dg.FakeGroup()
+    )
+    with pytest.raises(CapabilityError, match="refused a fp8xfp8 MegaMoE buffer"):
+        build(WeightFormat.MXFP8, "deepgemm")
+
+
+def test_no_buffer_allocation_during_graph_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    key = symm_buffer.BufferKey(
+        object(), torch.device("cuda", 0), E, T, TOP_K, H, INTER, "sm90_fp8"
+    )
+    with pytest.raises(RuntimeError, match="during CUDA-graph capture; call finalize"):
+        symm_buffer.get_symm_buffer(key, KernelTag.for_format(WeightFormat.FP8_BLOCK), object)
+
+
+def test_group_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
+    given = object()
+    assert symm_buffer.resolve_group(given, torch.device("cpu")) is given  # type: ignore[arg-type]
+    created = not dist.is_initialized()  # else another test's world is there: reuse it
+    try:
+        group = symm_buffer.resolve_group(None, torch.device("cpu"))
+        assert group is dist.group.WORLD and dist.get_world_size() == 1
+        if created:
+            assert dist.get_backend() == "gloo"
+        assert symm_buffer.resolve_group(None, torch.device("cpu")) is group  # created once
+    finally:
+        if created:
+            dist.destroy_process_group()
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    with pytest.raises(
+        ValueError, match=r"torch\.distributed runs 2 ranks; pass the expert-parallel group"
+    ):
+        symm_buffer.resolve_group(None, torch.device("cpu"))
