@@ -1,0 +1,398 @@
+"""One MoE layer's load from a safetensors checkpoint on disk to ready kernel weights.
+
+Writes a one-layer checkpoint per checkpoint format (per-expert ``{e}.{gate,up,down}_proj``
+tensors in Hugging Face naming, several shard files), then times, per (checkpoint format
+-> run format):
+
+- ``plain read``: every tensor of the layer read with ``safe_open(...).get_tensor`` and
+  copied to the GPU: the least any loader must do with those bytes;
+- ``megamoe``: ``MegaMoEExperts(...).load_weights(stream)`` + ``finalize()`` with the
+  reference backend: the product's load path (requantizing each projection as its weight
+  and scale pair up, through ``quant.requantize``, i.e. the Triton kernels on CUDA);
+- ``streamed``: the same tensors staged on the GPU ``--chunk`` experts at a time and
+  requantized by one Triton launch per projection group, written straight into the final
+  kernel tensors (``requantize_triton_async(..., out=...)``, one flag check per layer).
+
+Throughput is checkpoint bytes over time; "ratio" is a load path's time over the plain
+read's. Peak device memory is the allocator's peak during the load over the bytes of the
+final kernel weights. Reads hit the page cache (the file was just written and read once
+to warm): the GPU work is not hidden behind a slow disk.
+
+The DeepGEMM layout transform (gate/up rows interleaved in groups of 8, as
+``transform_weights_for_mega_moe_sm90`` does; block scales unchanged) is timed on its own
+over the loaded layer: a torch permutation copy, and DeepGEMM's own function when
+``deep_gemm`` imports.
+
+Usage::
+
+    python benchmarks/bench_load.py --experts 32 --hidden 4096 --intermediate 1536 --json load.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_requant import model_like_bf16, time_ms
+from megamoe.core import quant
+from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
+
+W = WeightFormat
+DEFAULT_PAIRS = "fp8_block:mxfp8,fp8_block:fp8_block,bf16:fp8_block,mxfp4:fp8_block,bf16:mxfp8"
+PROJS = ("gate_proj", "up_proj", "down_proj")
+INTERLEAVE_ROWS = 8  # DeepGEMM's gate/up interleave granularity
+
+
+@dataclass
+class LoadRow:
+    """One (checkpoint format -> run format) load."""
+
+    conversion: str
+    disk_bytes: int
+    final_bytes: int
+    plain_s: float
+    megamoe_s: float | None
+    megamoe_peak_ratio: float | None
+    megamoe_error: str | None
+    streamed_s: float
+    streamed_peak_ratio: float
+    transform_ms: float
+    transform_deep_gemm_ms: float | None
+    interleave_equals_deep_gemm: bool | None
+
+    @property
+    def plain_gbs(self) -> float:
+        return self.disk_bytes / self.plain_s / 1e9
+
+
+def write_checkpoint(
+    root: Path, fmt: WeightFormat, shape: tuple[int, int, int], per_file: int
+) -> list[Path]:
+    """One layer's experts in ``fmt``, ``per_file`` experts per safetensors file."""
+    experts, hidden, inter = shape
+    gate_up = model_like_bf16((experts, 2 * inter, hidden), seed=1)
+    down = model_like_bf16((experts, hidden, inter), seed=2)
+    files = []
+    for first in range(0, experts, per_file):
+        tensors: dict[str, torch.Tensor] = {}
+        for e in range(first, min(experts, first + per_file)):
+            dense = {
+                "gate_proj": gate_up[e, :inter],
+                "up_proj": gate_up[e, inter:] * 1.7,
+                "down_proj": down[e] * 0.6,
+            }
+            for proj, x in dense.items():
+                if fmt is W.BF16:
+                    tensors[f"{e}.{proj}.weight"] = x.contiguous().cpu()
+                    continue
+                weight, scale = quant.requantize(x.contiguous(), None, W.BF16, fmt)
+                tensors[f"{e}.{proj}.weight"] = weight.cpu()
+                tensors[f"{e}.{proj}.{fmt.scale_name}"] = scale.cpu()
+        path = root / f"{fmt.value}-{first:05d}.safetensors"
+        save_file(tensors, str(path))
+        files.append(path)
+    return files
+
+
+def stream(files: Sequence[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the layer, read one at a time from disk (CPU)."""
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, f.get_tensor(name)
+
+
+def plain_read(files: Sequence[Path]) -> None:
+    for _, tensor in stream(files):
+        tensor.to("cuda")
+    torch.cuda.synchronize()
+
+
+def load_megamoe(files: Sequence[Path], ckpt: WeightFormat, run: WeightFormat, shape: Any) -> int:
+    """The product's path; returns the final kernel weights' bytes."""
+    from megamoe.core.experts import MegaMoEExperts
+
+    experts, hidden, inter = shape
+    module = MegaMoEExperts(
+        num_experts=experts,
+        num_local_experts=experts,
+        experts_start_idx=0,
+        num_logical_experts=experts,
+        top_k=8,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        weight_format=run,
+        checkpoint_format=ckpt,
+        backend="reference",
+        device="cuda",
+    )
+    module.load_weights(stream(files))
+    module.finalize()
+    torch.cuda.synchronize()
+    return sum(p.numel() * p.element_size() for p in module.kernel_params.values())
+
+
+def _kernel_tensors(run: WeightFormat, shape: Any) -> dict[str, torch.Tensor]:
+    """Uninitialized canonical kernel tensors (w13 gate rows then up rows, w2) on the GPU."""
+    experts, hidden, inter = shape
+    per, dev, u8 = run.values_per_byte, "cuda", torch.uint8
+    tensors = {
+        "w13": torch.empty(
+            (experts, 2 * inter, hidden // per), dtype=run.element_dtype, device=dev
+        ),
+        "w2": torch.empty((experts, hidden, inter // per), dtype=run.element_dtype, device=dev),
+    }
+    if run is W.FP8_BLOCK:
+        tensors["w13_scale"] = torch.empty((experts, 2 * inter // 128, hidden // 128), device=dev)
+        tensors["w2_scale"] = torch.empty((experts, hidden // 128, inter // 128), device=dev)
+    elif run.is_mx:
+        tensors["w13_scale"] = torch.empty((experts, 2 * inter, hidden // 32), dtype=u8, device=dev)
+        tensors["w2_scale"] = torch.empty((experts, hidden, inter // 32), dtype=u8, device=dev)
+    return tensors
+
+
+def load_streamed(
+    files: Sequence[Path], ckpt: WeightFormat, run: WeightFormat, shape: Any, chunk: int
+) -> dict[str, torch.Tensor]:
+    """Stage ``chunk`` experts on the GPU, requantize each group in one launch, into place."""
+    experts, hidden, inter = shape
+    final = _kernel_tensors(run, shape)
+    staged = _kernel_tensors(ckpt, (chunk, hidden, inter))
+    flags: list[torch.Tensor] = []
+    with ExitStack() as stack:
+        handles = [
+            stack.enter_context(safe_open(str(p), framework="pt", device="cpu")) for p in files
+        ]
+        where = {name: f for f in handles for name in f.keys()}  # noqa: SIM118
+        for first in range(0, experts, chunk):
+            count = min(chunk, experts - first)
+            for j in range(count):
+                for proj in PROJS:
+                    _stage(where, staged, ckpt, f"{first + j}.{proj}", proj, j, inter)
+            _convert_chunk(staged, final, ckpt, run, first, count, flags)
+    if flags and int(torch.stack(flags).sum().item()) != 0:
+        raise RuntimeError("non-finite checkpoint values")
+    torch.cuda.synchronize()
+    return final
+
+
+def _convert_chunk(
+    staged: dict[str, torch.Tensor],
+    final: dict[str, torch.Tensor],
+    ckpt: WeightFormat,
+    run: WeightFormat,
+    first: int,
+    count: int,
+    flags: list[torch.Tensor],
+) -> None:
+    """Write ``count`` staged experts into ``final`` from expert ``first`` on."""
+    from megamoe.core.kernels.requant_triton import requantize_triton_async
+
+    for stem in ("w13", "w2"):
+        weight = staged[stem][:count]
+        scale = staged.get(f"{stem}_scale")
+        scale = None if scale is None else scale[:count]
+        out_w = final[stem][first : first + count]
+        out_s = final[f"{stem}_scale"][first : first + count]
+        if ckpt is run:
+            out_w.copy_(weight)
+            if scale is not None:
+                out_s.copy_(scale)
+            continue
+        flags.append(requantize_triton_async(weight, scale, ckpt, run, out=(out_w, out_s))[2])
+
+
+def _stage(
+    where: dict[str, Any],
+    staging: dict[str, torch.Tensor],
+    fmt: WeightFormat,
+    name: str,
+    proj: str,
+    j: int,
+    inter: int,
+) -> None:
+    """Copy one projection's weight (and scale) from disk into staging slot ``j``."""
+    stem = "w2" if proj == "down_proj" else "w13"
+    parts = [("weight", stem)]
+    if fmt.scale_name is not None:
+        parts.append((fmt.scale_name, f"{stem}_scale"))
+    for kind, key in parts:
+        tensor = where[f"{name}.{kind}"].get_tensor(f"{name}.{kind}")
+        target = staging[key][j]
+        if proj != "down_proj":  # gate rows first, then up rows
+            rows = inter // 128 if key.endswith("scale") and fmt is W.FP8_BLOCK else inter
+            target = target[:rows] if proj == "gate_proj" else target[rows:]
+        target.copy_(tensor)
+
+
+def interleave_gate_up(w13: torch.Tensor) -> torch.Tensor:
+    """[gate 0..7, up 0..7, gate 8..15, ...] rows, as DeepGEMM's SM90 transform lays them out."""
+    e, n, k = w13.shape
+    groups = n // 2 // INTERLEAVE_ROWS
+    return w13.view(e, 2, groups, INTERLEAVE_ROWS, k).transpose(1, 2).reshape(e, n, k)
+
+
+def peak_ratio(fn: Callable[[], Any], final_bytes: Callable[[Any], int]) -> tuple[float, Any]:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    peak = torch.cuda.max_memory_allocated() - base
+    return peak / final_bytes(result), result
+
+
+def median_seconds(fn: Callable[[], Any], reps: int) -> float:
+    fn()  # warm: page cache, kernel compilation, allocator
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench(
+    pair: tuple[WeightFormat, WeightFormat],
+    files: Sequence[Path],
+    shape: tuple[int, int, int],
+    args: argparse.Namespace,
+) -> LoadRow:
+    ckpt, run = pair
+    disk = sum(p.stat().st_size for p in files)
+    plain = median_seconds(lambda: plain_read(files), args.reps)
+
+    def streamed() -> dict[str, torch.Tensor]:
+        return load_streamed(files, ckpt, run, shape, args.chunk)
+
+    streamed_s = median_seconds(streamed, args.reps)
+    ratio, final = peak_ratio(
+        streamed, lambda t: sum(x.numel() * x.element_size() for x in t.values())
+    )
+    final_bytes = sum(x.numel() * x.element_size() for x in final.values())
+    megamoe_s = megamoe_ratio = error = None
+    try:
+        megamoe_s = median_seconds(lambda: load_megamoe(files, ckpt, run, shape), args.reps)
+        megamoe_ratio, _ = peak_ratio(lambda: load_megamoe(files, ckpt, run, shape), lambda b: b)
+    except Exception as exc:  # report the product path's failure beside the numbers
+        error = f"{type(exc).__name__}: {exc}"[:300]
+    w13 = final["w13"]
+    transform_ms = time_ms(lambda: interleave_gate_up(w13), 2, 10)
+    dg_ms = same = None
+    if run is W.FP8_BLOCK:
+        try:
+            import deep_gemm
+
+            pieces = ((w13, final["w13_scale"]), (final["w2"], final["w2_scale"]))
+            dg_ms = time_ms(lambda: deep_gemm.transform_weights_for_mega_moe_sm90(*pieces), 2, 10)
+            (dg_w13, _), _ = deep_gemm.transform_weights_for_mega_moe_sm90(*pieces)
+            same = torch.equal(dg_w13.view(torch.uint8), interleave_gate_up(w13).view(torch.uint8))
+        except Exception:  # deep_gemm missing or unable to run here
+            dg_ms = same = None
+    return LoadRow(
+        conversion=f"{ckpt.value}->{run.value}",
+        disk_bytes=disk,
+        final_bytes=final_bytes,
+        plain_s=plain,
+        megamoe_s=megamoe_s,
+        megamoe_peak_ratio=megamoe_ratio,
+        megamoe_error=error,
+        streamed_s=streamed_s,
+        streamed_peak_ratio=ratio,
+        transform_ms=transform_ms,
+        transform_deep_gemm_ms=dg_ms,
+        interleave_equals_deep_gemm=same,
+    )
+
+
+def format_table(rows: Sequence[LoadRow]) -> str:
+    head = (
+        f"{'ckpt->run':<20} {'disk MB':>8} {'plain s':>8} {'GB/s':>6} | {'megamoe s':>9} "
+        f"{'ratio':>6} {'peak':>5} | {'streamed s':>10} {'ratio':>6} {'peak':>5} | "
+        f"{'interleave ms':>13} {'% load':>6} {'deep_gemm ms':>12}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        mm = "-" if r.megamoe_s is None else f"{r.megamoe_s:.3f}"
+        mm_ratio = "-" if r.megamoe_s is None else f"{r.megamoe_s / r.plain_s:.2f}"
+        mm_peak = "-" if r.megamoe_peak_ratio is None else f"{r.megamoe_peak_ratio:.2f}"
+        dg = "-" if r.transform_deep_gemm_ms is None else f"{r.transform_deep_gemm_ms:.3f}"
+        lines.append(
+            f"{r.conversion:<20} {r.disk_bytes / 1e6:>8.0f} {r.plain_s:>8.3f} "
+            f"{r.plain_gbs:>6.2f} | {mm:>9} {mm_ratio:>6} {mm_peak:>5} | "
+            f"{r.streamed_s:>10.3f} {r.streamed_s / r.plain_s:>6.2f} "
+            f"{r.streamed_peak_ratio:>5.2f} | {r.transform_ms:>13.3f} "
+            f"{100 * r.transform_ms / 1e3 / r.streamed_s:>5.2f}% {dg:>12}"
+        )
+    errors = [
+        f"  {r.conversion}: megamoe path failed: {r.megamoe_error}" for r in rows if r.megamoe_error
+    ]
+    return "\n".join(lines + errors)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--intermediate", type=int, default=1536)
+    parser.add_argument("--pairs", default=DEFAULT_PAIRS, help="ckpt:run,... (format values)")
+    parser.add_argument("--per-file", type=int, default=8, help="experts per safetensors file")
+    parser.add_argument("--chunk", type=int, default=4, help="experts staged on the GPU at once")
+    parser.add_argument("--reps", type=int, default=3, help="timed loads per path (median)")
+    parser.add_argument("--dir", default=None, help="where to write checkpoints (default: temp)")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_load: needs a CUDA device", file=sys.stderr)
+        return 2
+    shape = (args.experts, args.hidden, args.intermediate)
+    pairs = []
+    for item in args.pairs.split(","):
+        src, _, dst = item.partition(":")
+        pairs.append((W.parse(src), W.parse(dst)))
+    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bench_load_"))
+    root.mkdir(parents=True, exist_ok=True)
+    rows = []
+    try:
+        checkpoints: dict[WeightFormat, list[Path]] = {}
+        for ckpt, run in pairs:
+            if ckpt not in checkpoints:
+                checkpoints[ckpt] = write_checkpoint(root, ckpt, shape, args.per_file)
+            rows.append(bench((ckpt, run), checkpoints[ckpt], shape, args))
+            print(format_table(rows[-1:]).splitlines()[2], flush=True)
+    finally:
+        if not args.dir:
+            shutil.rmtree(root, ignore_errors=True)
+    print()
+    print(f"layer: {args.experts} experts, hidden {args.hidden}, intermediate {args.intermediate}")
+    print(format_table(rows))
+    if args.json:
+        report = {
+            "device": torch.cuda.get_device_name(),
+            "shape": {"experts": args.experts, "hidden": args.hidden, "inter": args.intermediate},
+            "block": list(BLOCK_FP8_DEFAULT),
+            "rows": [asdict(r) | {"plain_gbs": r.plain_gbs} for r in rows],
+        }
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
