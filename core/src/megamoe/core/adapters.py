@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from megamoe.core.formats import WeightFormat
+from megamoe.core.expert_names import TensorSpec, expert_tensor_spec
+from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
 from megamoe.core.parallel import ParallelSettings
 
 if TYPE_CHECKING:
-    from megamoe.core.experts import MegaMoEExperts
-
     from megamoe.core.checkpoint import CheckpointReader
+    from megamoe.core.experts import MegaMoEExperts
 
 ENTRY_POINT_GROUP = "megamoe.adapters"
 
@@ -136,8 +136,63 @@ class ModelAdapter(abc.ABC):
         raise NotImplementedError(f"{self.name} does not support megamoe convert")
 
     def expert_prefixes(self, layer: MoELayer) -> tuple[str, ...]:
-        """Tensor prefixes of the expert groups ``megamoe convert`` converts in ``layer``."""
+        """Tensor prefixes of the expert groups ``megamoe convert`` converts in ``layer``.
+
+        The first holds the routed experts (``{e}.{proj}.*`` or fused). Further prefixes,
+        e.g. a shared expert the kernel runs as one more expert (``{proj}.*``, no index),
+        are converted to the same format when the checkpoint has them; ``converted_config``
+        must then mark them converted too.
+        """
         return (f"{layer.prefix}.experts",)
+
+    def expert_dims(self, config: Mapping[str, Any]) -> tuple[int, int, int]:
+        """``(routed experts E, hidden size H, expert intermediate size I)`` of ``config``.
+
+        The default reads the Hugging Face keys ``num_experts`` (Qwen-style) or
+        ``n_routed_experts`` (DeepSeek-style), ``hidden_size`` and ``moe_intermediate_size``.
+
+        Raises:
+            ValueError: a key is missing or not a positive integer.
+        """
+        keys = (
+            "n_routed_experts" if "n_routed_experts" in config else "num_experts",
+            "hidden_size",
+            "moe_intermediate_size",
+        )
+        dims = []
+        for key in keys:
+            value = config.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(
+                    f"config.json: {key}={value!r} must be a positive integer; {self.name} "
+                    "needs it to size the experts"
+                )
+            dims.append(value)
+        return dims[0], dims[1], dims[2]
+
+    def expected_expert_tensor(
+        self, config: Mapping[str, Any], layer: MoELayer, name: str
+    ) -> TensorSpec | None:
+        """The dtype and shape routed-expert tensor ``name`` must have in the checkpoint.
+
+        Checked from the safetensors headers before any tensor of the layer is read. The
+        default covers the names ``megamoe.core.expert_names`` describes, stored in
+        ``layer.checkpoint_format`` with ``expert_dims(config)`` and the block-FP8
+        ``weight_block_size`` of ``quantization_config``.
+
+        Args:
+            config: the ``config.json``.
+            layer: the layer whose experts hold the tensor.
+            name: the tensor name relative to one of ``expert_prefixes(layer)``.
+
+        Returns:
+            The spec, or None for a name this adapter does not check.
+        """
+        quant = config.get("quantization_config") or {}
+        block = tuple(quant.get("weight_block_size") or BLOCK_FP8_DEFAULT)
+        return expert_tensor_spec(
+            layer.checkpoint_format, name, *self.expert_dims(config), (block[0], block[-1])
+        )
 
 
 def installed_adapters() -> dict[str, ModelAdapter]:

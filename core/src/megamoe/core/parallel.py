@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 PLACEMENT_LINEAR = "linear"  # rank r holds physical experts [r*E_local, (r+1)*E_local)
@@ -68,3 +69,35 @@ class ParallelSettings:
             raise ValueError(
                 f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}"
             )
+
+
+def single_rank_group(device: torch.device | str | None = None) -> dist.ProcessGroup:
+    """A process group of this process alone, for one-GPU (or CPU) runs of an MoE block.
+
+    Where torch.distributed is not initialized yet it is initialized with world size 1
+    through an in-memory store (no network): NCCL for a CUDA device, gloo otherwise.
+
+    Args:
+        device: where the block runs (None = CPU).
+
+    Returns:
+        The default group, of size 1.
+
+    Raises:
+        ValueError: torch.distributed is already initialized with more than one rank (pass
+            that job's expert-parallel group instead).
+    """
+    if not dist.is_initialized():
+        cuda = device is not None and torch.device(device).type == "cuda"
+        dist.init_process_group(
+            backend="nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1
+        )
+    if dist.get_world_size() != 1:
+        raise ValueError(
+            f"single_rank_group: torch.distributed already runs {dist.get_world_size()} "
+            "ranks; pass ParallelSettings(ep_group=...) with the job's expert-parallel group"
+        )
+    group = dist.group.WORLD
+    if group is None:
+        raise ValueError("single_rank_group: torch.distributed has no default group")
+    return group

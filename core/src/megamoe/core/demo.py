@@ -1,0 +1,160 @@
+"""``megamoe demo``: every installed adapter and format, end to end, on this machine.
+
+For each adapter and each format it loads: write a synthetic checkpoint into a temporary
+directory, load every MoE layer on a single-rank setup, run a forward on the best backend
+available and compare with the adapter's float64 reference. No network.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megamoe.core import adapters as adapter_registry
+from megamoe.core.adapters import KNOWN_DISTRIBUTIONS, SyntheticSizes
+from megamoe.core.checkpoint import CheckpointReader
+from megamoe.core.formats import WeightFormat
+from megamoe.core.parallel import ParallelSettings, single_rank_group
+from megamoe.core.testing import write_synthetic_checkpoint
+from megamoe.core.verify import LayerCheck, verify_layer
+
+HEADERS = (
+    "adapter",
+    "format",
+    "run format",
+    "backend",
+    "max rel. error",
+    "tol.",
+    "load s",
+    "result",
+)
+
+
+@dataclass(frozen=True)
+class DemoRow:
+    """One adapter and checkpoint format, over all its MoE layers.
+
+    Attributes:
+        adapter: adapter name.
+        checkpoint_format: the synthetic checkpoint's expert format.
+        checks: one per MoE layer (empty when it failed before any forward).
+        error: why it failed before a forward, else None.
+    """
+
+    adapter: str
+    checkpoint_format: WeightFormat
+    checks: tuple[LayerCheck, ...]
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Every layer within tolerance and no error."""
+        return self.error is None and bool(self.checks) and all(c.ok for c in self.checks)
+
+    def cells(self) -> tuple[str, ...]:
+        """The table cells."""
+        if self.error is not None:
+            return (self.adapter, self.checkpoint_format.value, "-", "-", "-", "-", "-", "FAIL")
+        worst = max(self.checks, key=lambda c: c.max_rel_error / c.tolerance)
+        return (
+            self.adapter,
+            self.checkpoint_format.value,
+            "/".join(sorted({c.run_format.value for c in self.checks})),
+            "/".join(sorted({c.backend for c in self.checks})),
+            f"{worst.max_rel_error:.2e}",
+            f"{worst.tolerance:.0e}",
+            f"{sum(c.load_seconds for c in self.checks):.2f}",
+            "ok" if self.ok else "FAIL",
+        )
+
+
+def default_device() -> torch.device:
+    """The first CUDA device where there is one, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def run_demo(
+    *,
+    device: torch.device | str | None = None,
+    backend: str = "auto",
+    sizes: SyntheticSizes | None = None,
+    adapters: Sequence[str] | None = None,
+    formats: Sequence[WeightFormat | str] | None = None,
+    on_row: Callable[[DemoRow], None] | None = None,
+) -> list[DemoRow]:
+    """Run the demo over installed adapters.
+
+    Args:
+        device: where blocks run (None: CUDA if available, else CPU).
+        backend: experts backend (``"auto"`` picks the best available).
+        sizes: synthetic checkpoint sizes (``SyntheticSizes()`` when None).
+        adapters: only these adapter names (None: all installed).
+        formats: only these checkpoint formats (None: every format an adapter loads).
+        on_row: called with each row as soon as it is done.
+
+    Returns:
+        One row per (adapter, format).
+
+    Raises:
+        LookupError: no adapter is installed, or a requested one is not.
+    """
+    installed = adapter_registry.installed_adapters()
+    if not installed:
+        raise LookupError(
+            "no megamoe adapter is installed; pip install " + " ".join(KNOWN_DISTRIBUTIONS.values())
+        )
+    names = list(installed) if adapters is None else list(adapters)
+    unknown = [n for n in names if n not in installed]
+    if unknown:
+        raise LookupError(
+            f"adapter(s) {', '.join(unknown)} not installed; installed: {', '.join(installed)}"
+        )
+    wanted = None if formats is None else {WeightFormat.parse(f) for f in formats}
+    device = default_device() if device is None else torch.device(device)
+    parallel = ParallelSettings(ep_group=single_rank_group(device))
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="megamoe-demo-") as tmp:
+        for name in names:
+            adapter = installed[name]
+            for fmt in adapter.checkpoint_formats:
+                if wanted is not None and fmt not in wanted:
+                    continue
+                path = Path(tmp) / f"{name}-{fmt.value}"
+                try:
+                    write_synthetic_checkpoint(path, adapter, fmt, sizes)
+                    reader = CheckpointReader(path, adapter)
+                    checks = tuple(
+                        verify_layer(
+                            reader,
+                            adapter,
+                            layer,
+                            parallel=parallel,
+                            backend=backend,
+                            device=device,
+                        )
+                        for layer in reader.layers
+                    )
+                    row = DemoRow(name, fmt, checks)
+                except Exception as err:  # one broken combination must not hide the others
+                    row = DemoRow(name, fmt, (), f"{type(err).__name__}: {err}")
+                rows.append(row)
+                if on_row is not None:
+                    on_row(row)
+    return rows
+
+
+def format_table(rows: Sequence[Sequence[str]], headers: Sequence[str] = HEADERS) -> str:
+    """Rows as a plain fixed-width table with a header line."""
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+    lines = [
+        "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+        for r in [headers, *rows]
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths).rstrip())
+    return "\n".join(lines)

@@ -1,0 +1,106 @@
+"""A toy adapter for checkpoint, convert and CLI tests that must not depend on real adapters."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import pytest
+import torch
+
+from megamoe.core import adapters as adapter_registry
+from megamoe.core.adapters import ModelAdapter, MoEBlock, MoELayer, SyntheticSizes
+from megamoe.core.formats import WeightFormat
+from megamoe.core.quant_config import detect_expert_format
+from megamoe.core.testing import synthetic_dense, synthetic_expert_tensors
+
+TOY_QUANT = {
+    WeightFormat.FP8_BLOCK: {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
+    WeightFormat.MXFP8: {"quant_method": "mxfp8"},
+    WeightFormat.MXFP4: {"quant_method": "mxfp4"},
+}
+
+
+class ToyAdapter(ModelAdapter):
+    """Layers ``model.layers.{i}.mlp``: router, routed and shared experts; no forward."""
+
+    name = "toymoe"
+    distribution = "megamoe-toymoe"
+    model_types = ("toy_moe",)
+    architectures = ("ToyMoeForCausalLM",)
+    checkpoint_formats = tuple(WeightFormat)
+
+    def moe_layers(self, config: Mapping[str, Any]) -> list[MoELayer]:
+        return [
+            MoELayer(
+                i,
+                f"model.layers.{i}.mlp",
+                detect_expert_format(
+                    config.get("quantization_config"),
+                    f"model.layers.{i}.mlp.experts",
+                    num_experts=config["num_experts"],
+                ),
+            )
+            for i in range(config["num_hidden_layers"])
+        ]
+
+    def build_block(self, *args: Any, **kwargs: Any) -> MoEBlock:
+        raise NotImplementedError("the toy adapter has no MoE block")
+
+    def reference_forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise NotImplementedError("the toy adapter has no reference forward")
+
+    def synthetic_config(self, fmt: WeightFormat, sizes: SyntheticSizes) -> dict[str, Any]:
+        config: dict[str, Any] = {
+            "model_type": "toy_moe",
+            "architectures": ["ToyMoeForCausalLM"],
+            "hidden_size": sizes.hidden_size,
+            "moe_intermediate_size": sizes.intermediate_size,
+            "num_experts": sizes.num_experts,
+            "num_hidden_layers": sizes.num_layers,
+        }
+        if fmt in TOY_QUANT:
+            config["quantization_config"] = dict(TOY_QUANT[fmt])
+        return config
+
+    def synthetic_tensors(
+        self, config: Mapping[str, Any], seed: int = 0
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        hidden, experts = config["hidden_size"], config["num_experts"]
+        fmt = self.moe_layers(config)[0].checkpoint_format
+        yield "model.embed_tokens.weight", synthetic_dense((384, hidden), 0.02, seed)
+        for layer in self.moe_layers(config):
+            yield f"{layer.prefix}.gate.weight", synthetic_dense((experts, hidden), 0.05, seed + 1)
+            for rel, tensor in synthetic_expert_tensors(
+                fmt,
+                experts,
+                hidden,
+                config["moe_intermediate_size"],
+                seed=seed + 100 * layer.index,
+                fused_bf16=bool(config.get("toy_fused")),
+            ):
+                yield f"{layer.prefix}.experts.{rel}", tensor
+            shared = synthetic_expert_tensors(
+                fmt, 1, hidden, config["moe_intermediate_size"], seed=seed + 7
+            )
+            for rel, tensor in shared:
+                yield f"{layer.prefix}.shared_experts.{rel.removeprefix('0.')}", tensor
+        yield "model.norm.weight", synthetic_dense((hidden,), 1.0, seed + 2)
+
+    def expert_prefixes(self, layer: MoELayer) -> tuple[str, ...]:
+        return (f"{layer.prefix}.experts", f"{layer.prefix}.shared_experts")
+
+    def converted_config(self, config: Mapping[str, Any], fmt: WeightFormat) -> dict[str, Any]:
+        new = {k: v for k, v in config.items() if k != "toy_fused"}
+        new["quantization_config"] = dict(TOY_QUANT[fmt])
+        return new
+
+
+TOY = ToyAdapter()
+
+
+@pytest.fixture
+def toy_adapter(monkeypatch: pytest.MonkeyPatch) -> ToyAdapter:
+    """Make the toy adapter the only installed one."""
+    monkeypatch.setattr(adapter_registry, "installed_adapters", lambda: {TOY.name: TOY})
+    return TOY

@@ -1,0 +1,190 @@
+"""The megamoe command in-process, on the toy adapter: help, output, exit codes, errors."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megamoe.core import bench, cli, quant
+from megamoe.core.adapters import SyntheticSizes
+from megamoe.core.formats import WeightFormat
+from megamoe.core.inspection import expert_kernel_bytes, human_bytes
+from megamoe.core.testing import write_synthetic_checkpoint
+
+SIZES = SyntheticSizes(num_layers=2, hidden_size=256, intermediate_size=128, num_experts=4)
+COMMANDS = ("demo", "inspect", "convert", "verify", "bench")
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path, toy_adapter) -> Path:
+    return write_synthetic_checkpoint(tmp_path / "ckpt", "toymoe", "fp8_block", SIZES)
+
+
+def test_top_level_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for command in COMMANDS:
+        assert command in out
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert f"usage: megamoe {command}" in capsys.readouterr().out
+
+
+def test_bad_usage_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["convert", "a", "b", "--to", "nvfp4"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'nvfp4'" in capsys.readouterr().err
+
+
+def test_inspect_reports_layers_formats_and_bytes(
+    checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["inspect", str(checkpoint), "--ep-size", "2", "--arch", "sm100"]) == 0
+    out = capsys.readouterr().out
+    assert "toy_moe -> adapter toymoe (megamoe-toymoe)" in out
+    assert "4 routed per layer, hidden 256, intermediate 128" in out
+    assert "sm100 (--arch); expert parallel 2 -> 2 experts per rank" in out
+    per_layer = 2 * expert_kernel_bytes(WeightFormat.MXFP8, 256, 128)
+    # gate+up+down of one MXFP8 expert: 3 * 128 * 256 bytes + 3 * 128 * 8 scale bytes
+    assert expert_kernel_bytes(WeightFormat.MXFP8, 256, 128) == 3 * 128 * 256 + 3 * 128 * 8
+    rows = [line.split() for line in out.splitlines() if "model.layers." in line]
+    assert len(rows) == 2
+    for row in rows:
+        assert row[2:5] == ["fp8_block", "mxfp8", "fp8_block"]  # stored, runs as, conversion
+    assert f"per rank: {human_bytes(2 * per_layer)}" in out
+
+
+def test_inspect_on_the_reference_target_converts_nothing(
+    checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["inspect", str(checkpoint), "--arch", "reference"]) == 0
+    rows = [
+        line.split() for line in capsys.readouterr().out.splitlines() if "model.layers." in line
+    ]
+    assert [row[2:5] for row in rows] == [["fp8_block", "fp8_block", "none"]] * 2
+
+
+def test_errors_are_one_line_with_exit_1(
+    checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["inspect", str(checkpoint), "--ep-size", "3"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith(
+        "megamoe inspect: error: --ep-size 3 does not divide the 4 routed experts"
+    )
+    assert (
+        cli.main(["convert", str(tmp_path / "nope"), str(tmp_path / "out"), "--to", "mxfp8"]) == 1
+    )
+    err = capsys.readouterr().err
+    assert err.startswith("megamoe convert: error: ") and "nope: not a directory" in err
+    assert "Traceback" not in err
+
+
+def test_debug_shows_the_exception(checkpoint: Path) -> None:
+    with pytest.raises(ValueError, match="does not divide"):
+        cli.main(["inspect", str(checkpoint), "--ep-size", "3", "--debug"])
+
+
+def test_unknown_model_names_installed_adapters_and_pip(
+    checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = json.loads((checkpoint / "config.json").read_text())
+    config.update(model_type="mixtral", architectures=["MixtralForCausalLM"])
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    assert cli.main(["inspect", str(checkpoint)]) == 1
+    err = capsys.readouterr().err
+    assert "model_type='mixtral'" in err and "installed: toymoe" in err
+    assert "pip install megamoe-qwen4exp megamoe-glm5next" in err
+
+
+def test_convert_writes_and_reports(
+    checkpoint: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(quant, "_warned_not_power_of_two", set())
+    out = tmp_path / "out"
+    code = cli.main(["convert", str(checkpoint), str(out), "--to", "mxfp8", "--no-progress"])
+    assert code == 0
+    captured = capsys.readouterr()
+    warning = [line for line in captured.err.splitlines() if "warning" in line]
+    assert warning == [
+        "megamoe: warning: model.layers.0.mlp: the block-FP8 scales are not powers of two, so "
+        "rounding them to UE8M0 (MXFP8, 1x32) changes the weights slightly. Pass --to fp8_block "
+        "to keep block-FP8 (runs on Hopper and on the reference backend)."
+    ]
+    text = captured.out
+    assert f"wrote {out}: 30 expert projection(s) requantized to mxfp8" in text
+    assert "MB/s" in text
+    assert cli.main(["convert", str(checkpoint), str(out), "--to", "mxfp8"]) == 1
+    assert "already exists" in capsys.readouterr().err
+
+
+def test_verify_reports_adapter_errors_as_one_line(
+    checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["verify", str(checkpoint), "--layers", "7"]) == 1
+    assert "no MoE layer 7; the checkpoint's MoE layers are 0, 1" in capsys.readouterr().err
+    assert cli.main(["verify", str(checkpoint), "--layers", "1", "--device", "cpu"]) == 1
+    assert "the toy adapter has no MoE block" in capsys.readouterr().err
+
+
+def test_bench_runs_scripts_with_their_arguments(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "bench_requant.py").write_text("import sys\nprint('requant', sys.argv[1:])\n")
+    (tmp_path / "bench_load.py").write_text("raise SystemExit(3)\n")
+    code = cli.main(["bench", "--scripts", str(tmp_path), "--", "--quick"])
+    out = capfd.readouterr().out
+    assert "requant ['--quick']" in out
+    assert code == 1  # bench_load.py failed
+    assert cli.main(["bench", "--scripts", str(tmp_path / "none")]) == 1
+    assert "none of bench_requant.py" in capfd.readouterr().err
+
+
+def test_builtin_requantize_bench_measures_against_a_copy() -> None:
+    bandwidth = bench.copy_bandwidth(torch.device("cpu"), repeats=1, nbytes=1 << 20)
+    assert bandwidth > 0
+    results = bench.bench_requantize(
+        num_experts=2, rows=128, cols=256, repeats=1, bandwidth=bandwidth
+    )
+    assert [r.name.split(" (")[0] for r in results] == [
+        f"requantize {a.value} -> {b.value}" for a, b in bench.REQUANT_PAIRS
+    ]
+    bf16_to_mxfp8 = results[0]
+    # 2 experts x 128 x 256: bf16 in, E4M3 + one UE8M0 byte per 32 out.
+    assert bf16_to_mxfp8.bytes_moved == 2 * 128 * 256 * 2 + 2 * (128 * 256 + 128 * 8)
+    for result in results:
+        assert result.seconds > 0 and result.ceiling_seconds > 0
+        assert result.ceiling_seconds == pytest.approx(result.bytes_moved / bandwidth)
+        assert result.ratio == pytest.approx(result.ceiling_seconds / result.seconds)
+
+
+def test_module_entry_point_matches_console_script() -> None:
+    assert cli.main.__module__ == "megamoe.core.cli"
+    assert sys.modules["megamoe.core.cli"] is cli
+
+
+def test_demo_reports_a_failing_adapter_and_exits_1(
+    toy_adapter, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["demo", "--device", "cpu", "--format", "mxfp8"]) == 1
+    captured = capsys.readouterr()
+    rows = [line.split() for line in captured.out.splitlines() if line.startswith("toymoe")]
+    assert rows == [["toymoe", "mxfp8", "-", "-", "-", "-", "-", "FAIL"]]
+    assert "0 of 1 combinations within tolerance" in captured.out
+    assert "toymoe mxfp8: NotImplementedError: the toy adapter has no MoE block" in captured.err
