@@ -3,6 +3,8 @@
 from megamoe.core.adapters import ModelAdapter, MoEBlock, MoELayer, SyntheticSizes
 from megamoe.core.backends.reference import ReferenceBackend
 from megamoe.core.backends.select import resolve_backend
+from megamoe.core.checkpoint import CheckpointReader, open_checkpoint
+from megamoe.core.convert import convert_checkpoint
 from megamoe.core.errors import (
     CapabilityError,
     CheckpointError,
@@ -16,10 +18,12 @@ from megamoe.core.formats import WeightFormat, resolve_formats
 from megamoe.core.pairing import ShardPairing
 from megamoe.core.parallel import ParallelSettings
 from megamoe.core.tagging import KernelTag
+from megamoe.core.testing import write_synthetic_checkpoint
 
 __all__ = [
     "CapabilityError",
     "CheckpointError",
+    "CheckpointReader",
     "FormatMismatchError",
     "IncompleteShardsError",
     "KernelTag",
@@ -34,6 +38,9 @@ __all__ = [
     "ShardPairing",
     "SyntheticSizes",
     "WeightFormat",
+    "convert_checkpoint",
+    "open_checkpoint",
     "resolve_backend",
     "resolve_formats",
+    "write_synthetic_checkpoint",
 ]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Mapping
 from typing import Any
 
 MAX_LISTED = 8  # keys named in one message; the rest are counted
@@ -33,7 +33,7 @@ class IncompleteShardsError(ValueError):
             mapped to the halves that are still missing.
     """
 
-    def __init__(self, prefix: str, missing: dict[Hashable, tuple[str, ...]]) -> None:
+    def __init__(self, prefix: str, missing: Mapping[Any, tuple[str, ...]]) -> None:
         self.missing = dict(missing)
         listed = ", ".join(
             f"{key!r} missing {'+'.join(halves)}"

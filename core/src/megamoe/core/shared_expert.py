@@ -33,6 +33,10 @@ class SwiGLUMLP(torch.nn.Module):
         prefix: name prefix for error messages.
     """
 
+    gate_proj: torch.nn.Parameter
+    up_proj: torch.nn.Parameter
+    down_proj: torch.nn.Parameter
+
     def __init__(
         self,
         hidden_size: int,
