@@ -30,7 +30,9 @@ def _install(session: nox.Session, *packages: str) -> None:
 
 
 def _run_tests(session: nox.Session, paths: list[str], *extra: str) -> None:
-    session.run("pytest", *paths, *extra, *session.posargs)
+    # One intra-op thread: the test tensors are small, and torch's spinning worker threads
+    # only contend with each other on CI's two cores.
+    session.run("pytest", *paths, *extra, *session.posargs, env={"OMP_NUM_THREADS": "1"})
 
 
 # Each distribution alone with only its own dependencies, then cross-package end-to-end

@@ -1,0 +1,88 @@
+"""Float64 output of a GLM-5.3-Flash MoE layer straight from checkpoint tensors.
+
+Independent of the loading path (no pairing, requantization or kernel layout): each
+projection is read from the checkpoint and dequantized, and the layer is computed in
+float64. It checks a loaded ``Glm5NextMegaMoeBlock``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from megamoe.core import quant
+from megamoe.core.formats import WeightFormat
+from megamoe.core.quant_config import detect_expert_format
+from megamoe.glm5next.config import Glm5NextConfig
+from megamoe.glm5next.router import grouped_topk
+
+if TYPE_CHECKING:
+    from megamoe.core.checkpoint import CheckpointReader
+
+_PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _dense_projection(
+    reader: CheckpointReader, prefix: str, fmt: WeightFormat, block: tuple[int, int]
+) -> torch.Tensor:
+    """One projection ``prefix`` (e.g. ``...experts.3.up_proj``) as float64."""
+    weight = reader.get_tensor(f"{prefix}.weight")
+    scale_name = fmt.scale_name
+    scale = None if scale_name is None else reader.get_tensor(f"{prefix}.{scale_name}")
+    return quant.dequantize(weight, scale, fmt, block_size=block).double()
+
+
+def _swiglu(
+    x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """``down(silu(gate x) * up x)`` in the inputs' dtype."""
+    return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
+
+
+def reference_forward(
+    reader: CheckpointReader, prefix: str, hidden_states: torch.Tensor
+) -> torch.Tensor:
+    """Routed plus shared output of the layer at ``prefix`` for ``hidden_states``, float64.
+
+    Args:
+        reader: the checkpoint.
+        prefix: the MoE block prefix, e.g. ``model.layers.1.mlp``.
+        hidden_states: (tokens, H), any float dtype (computed in float64).
+
+    Returns:
+        (tokens, H) float64.
+    """
+    cfg = Glm5NextConfig.from_dict(reader.config)
+    x = hidden_states.double().cpu()
+    block = cfg.weight_block_size
+    router = reader.get_tensor(f"{prefix}.gate.weight").double()
+    bias = reader.get_tensor(f"{prefix}.gate.e_score_correction_bias").double()
+    topk_weights, topk_ids = grouped_topk(
+        torch.sigmoid(x @ router.T),
+        bias,
+        top_k=cfg.num_experts_per_tok,
+        n_group=cfg.n_group,
+        topk_group=cfg.topk_group,
+        norm_topk_prob=cfg.norm_topk_prob,
+        routed_scaling_factor=cfg.routed_scaling_factor,
+    )
+    fmt = detect_expert_format(
+        cfg.quantization_config, f"{prefix}.experts", num_experts=cfg.n_routed_experts
+    )
+    out = torch.zeros_like(x)
+    for expert in sorted(set(topk_ids.flatten().tolist())):
+        token, k = (topk_ids == expert).nonzero().unbind(1)
+        projs = [
+            _dense_projection(reader, f"{prefix}.experts.{expert}.{p}", fmt, block) for p in _PROJS
+        ]
+        out.index_add_(0, token, _swiglu(x[token], *projs) * topk_weights[token, k, None])
+    if cfg.n_shared_experts:
+        shared_prefix = f"{prefix}.shared_experts"
+        shared_fmt = detect_expert_format(cfg.quantization_config, shared_prefix)
+        projs = [
+            _dense_projection(reader, f"{shared_prefix}.{p}", shared_fmt, block) for p in _PROJS
+        ]
+        out += _swiglu(x, *projs)
+    return out
