@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Everything the GPU issues measure, in one pass on an H200 (about 6 minutes):
+# the gpu-marked tests, then each benchmark's table (printed) and JSON (into $1).
+#   bash benchmarks/h200.sh OUTDIR
+# Expects deep_gemm importable (see ../shared/gpu/README.md: install .whl/ into /tmp/site).
+set -uo pipefail
+out=${1:?usage: bash benchmarks/h200.sh OUTDIR}
+mkdir -p "$out"
+root=$(cd "$(dirname "$0")/.." && pwd)
+export PYTHONPATH="$root/core/src:$root/qwen4exp/src:$root/glm5next/src:${PYTHONPATH:-}"
+export PYTHONUNBUFFERED=1
+status=0
+run() { echo "### $*"; "$@" || status=1; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+# The nox session the README names; xdist by file keeps each DeepGEMM test file in one process.
+run python3 -m nox -s gpu_tests -- -q -p no:cacheprovider -p no:benchmark -n 8 --dist loadfile \
+  -rA --junitxml="$out/gpu_tests.xml"
+run python3 benchmarks/bench_requant.py --torch-reps 2 --json "$out/requant.json"
+run python3 benchmarks/bench_forward.py --tokens 1,16,128,256,1024,4096 --json "$out/forward.json"
+run python3 benchmarks/bench_qwen4exp_block.py --tokens 256,1024 --json "$out/qwen4exp_block.json"
+run python3 benchmarks/bench_glm_requant.py --devices cuda --chunks 1,8 --json "$out/glm_requant.json"
+run python3 benchmarks/bench_load.py --reps 2 --json "$out/load.json"
+exit $status
