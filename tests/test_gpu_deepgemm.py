@@ -38,6 +38,7 @@ FMT = WeightFormat.FP8_BLOCK
 # far closer to the kernel than the float reference (ratio below).
 EMULATED_TOL = 2.5e-2
 EMULATED_VS_FLOAT = 0.5  # emulated error must be under half of the float reference's
+TWO_RANK_REFERENCE_TOL = 2e-3  # float32 reduction order, then one FP8/bf16 ulp here and there
 FLOAT_TOL = 0.08  # kernel vs float32 reference without activation rounding (seen: ~0.045)
 
 pytestmark = [
@@ -291,7 +292,10 @@ def test_two_gpus_match_one_rank(tmp_path: Path, checkpoint: Tensors) -> None:
         reference_y = torch.load(tmp_path / f"reference_{rank}.pt").cuda()
         report(f"two GPUs, rank {rank}: kernel vs one-rank emulated reference", rel(kernel_y, want))
         assert rel(kernel_y, want) <= EMULATED_TOL
-        assert torch.equal(reference_y.view(torch.int16), want.view(torch.int16))
+        # Not bit for bit as on CPU: each rank's GEMMs see both ranks' tokens, and cuBLAS
+        # picks its kernels (and reduction order) by problem size.
+        report(f"two GPUs, rank {rank}: reference vs one-rank reference", rel(reference_y, want))
+        assert rel(reference_y, want) <= TWO_RANK_REFERENCE_TOL
 
 
 def _rank_inputs(rank: int, device: str = "cuda") -> tuple[torch.Tensor, ...]:
