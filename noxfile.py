@@ -69,6 +69,14 @@ def typecheck(session: nox.Session) -> None:
     session.run("mypy")
 
 
+@nox.session(default=False)
+def docs(session: nox.Session) -> None:
+    """Build the mkdocs site (guides + API reference from docstrings) into site/."""
+    _install(session, "core", "qwen4exp", "glm5next")
+    session.install("mkdocs>=1.6", "mkdocstrings[python]>=0.26")
+    session.run("mkdocs", "build", "--strict", *session.posargs)
+
+
 @nox.session
 def demo(session: nox.Session) -> None:
     """Run ``megamoe demo`` from a fresh install of every package."""
