@@ -25,8 +25,8 @@ from megamoe.core.errors import (
     NonFiniteError,
 )
 from megamoe.core.experts import MegaMoEExperts
+from megamoe.core.finiteness import NonFiniteLedger
 from megamoe.core.formats import WeightFormat
-from megamoe.core.staging import count_nonfinite
 from megamoe.core.tagging import KernelTag, check_tags, tag
 from megamoe.core.testing import synthetic_expert_tensors
 
@@ -649,16 +649,66 @@ def test_weight_loader_checks(
 
 
 # ---------------------------------------------------------------- finiteness
-@pytest.mark.parametrize(
-    ("tensor", "ue8m0", "count"),
-    [
-        (torch.tensor([1.0, float("nan"), float("inf"), -float("inf")]), False, 3),
-        (torch.tensor([0x7E, 0xFE, 0x7F, 0xFF], dtype=torch.uint8).view(torch.float8_e4m3fn),
-         False, 2),  # 0x7E = 448 and 0xFE = -448 are finite; 0x7F / 0xFF are NaN
-        (torch.tensor([254, 255, 0], dtype=torch.uint8), True, 1),
-        (torch.tensor([255, 0x77], dtype=torch.uint8), False, 0),  # packed E2M1: always finite
-        (torch.tensor([1.0, float("nan")], dtype=torch.bfloat16), False, 1),
-    ],
-)  # fmt: skip
-def test_count_nonfinite(tensor: torch.Tensor, ue8m0: bool, count: int):
-    assert count_nonfinite(tensor, ue8m0=ue8m0) == count
+def _deferred(m: MegaMoEExperts) -> MegaMoEExperts:
+    """Keep CPU counts pending until the load call ends, as a GPU module does."""
+    m._arrival.ledger = NonFiniteLedger(m.layout.label, defer_cpu=True)
+    return m
+
+
+def _poison(tensors: Stream, target: str) -> Stream:
+    return [
+        (n, t.view(torch.uint8).clone().fill_(0x7F).view(t.dtype) if n == target else t)
+        for n, t in tensors
+    ]
+
+
+def test_counts_read_once_per_call_still_name_the_tensor_and_keep_serving():
+    fmt = WeightFormat.MXFP8
+    m = _deferred(build(fmt, fmt))
+    m.load_weights(stream(fmt, 4))
+    m.finalize()
+    before = snapshot(m)
+    update = _poison(stream(fmt, 4, seed=1), "2.up_proj.weight")
+    with pytest.raises(NonFiniteError, match=r"expert 2 w3 weight holds 65536 non-finite"):
+        m.load_weights(update)  # raised when the call ends, after every tensor went in
+    assert m.pending_bytes == 0
+    m.finalize()
+    assert_params_equal(m, before, "after a reload found non-finite at its end")
+    m.load_weights(stream(fmt, 4, seed=1))
+    m.finalize()
+    expected = build(fmt, fmt)
+    expected.load_weights(stream(fmt, 4, seed=1))
+    expected.finalize()
+    assert_params_equal(m, snapshot(expected), "after the next good reload")
+
+
+def test_deferred_first_load_drops_what_it_wrote_in_place():
+    fmt = WeightFormat.MXFP8
+    m = _deferred(build(fmt, fmt))
+    tensors = stream(fmt, 4)
+    m.load_weights(tensors[:12])
+    with pytest.raises(NonFiniteError, match=r"expert 3 w2 weight holds 65536 non-finite"):
+        m.load_weights(_poison(tensors[12:], "3.down_proj.weight"))
+    with pytest.raises(MissingExpertsError, match=r"4 kernel slot\(s\) never received"):
+        m.finalize()
+
+
+def test_a_waiting_half_is_checked_by_the_call_it_came_in():
+    fmt = WeightFormat.MXFP8
+    m = _deferred(build(fmt, fmt))
+    tensors = dict(stream(fmt, 4))
+    scale = tensors["1.gate_proj.weight_scale"].clone()
+    scale[7, 3] = 255
+    with pytest.raises(NonFiniteError, match=r"expert 1 w1 weight_scale holds 1 non-finite"):
+        m.load_weights([("1.gate_proj.weight_scale", scale)])  # its weight never came
+    m.load_weights(tensors.items())  # the dropped half does not linger
+    m.finalize()
+
+
+def test_weight_loader_counts_are_read_when_the_call_ends():
+    fmt = WeightFormat.MXFP8
+    m = _deferred(build(fmt, fmt))
+    weight = torch.zeros(INTER, H).to(torch.float8_e4m3fn)
+    weight.view(torch.uint8)[0, :3] = 0xFF
+    with pytest.raises(NonFiniteError, match=r"w holds 3 non-finite"):
+        m.weight_loader(m.w13_weight, weight, "w", "w1", 0)

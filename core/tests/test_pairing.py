@@ -101,3 +101,32 @@ def test_clear_drops_pending() -> None:
     pairing.add((0, "w1"), "weight", torch.ones(1))
     pairing.clear()
     pairing.check_complete()
+
+
+@given(_streams())
+@settings(max_examples=100, deadline=None)
+def test_held_bytes_follow_the_waiting_halves(stream) -> None:
+    _, calls = stream
+    pairing = ShardPairing(HALVES)
+    waiting: dict[tuple[object, str], int] = {}  # (key, half) -> bytes, kept independently
+    cpu = torch.device("cpu")
+    for n, (key, half) in enumerate(item for call in calls for item in call):
+        tensor = torch.zeros(n % 5 + 1, dtype=torch.float64)  # sizes differ per half
+        if pairing.add(key, half, tensor) is None:
+            waiting[(key, half)] = tensor.nbytes
+        else:
+            for h in HALVES:
+                waiting.pop((key, h), None)
+        assert pairing.held_bytes(cpu) == sum(waiting.values())
+    assert pairing.held_bytes(torch.device("meta")) == 0
+    pairing.clear()
+    assert pairing.held_bytes(cpu) == 0
+
+
+def test_held_bytes_count_a_replaced_half_once() -> None:
+    pairing = ShardPairing(HALVES)
+    pairing.add((0, "w1"), "weight", torch.zeros(8, dtype=torch.uint8))
+    pairing.add((0, "w1"), "weight", torch.zeros(3, dtype=torch.uint8))
+    assert pairing.held_bytes(torch.device("cpu")) == 3
+    pairing.add((0, "w1"), "weight_scale_inv", torch.ones(1))
+    assert pairing.held_bytes(torch.device("cpu")) == 0

@@ -119,12 +119,9 @@ class ExpertLayout:
                 f"{self.label}: expert id {expert_id} is out of range "
                 f"[0, num_logical_experts={self.num_logical_experts})"
             )
-        start = self.experts_start_idx
-        return [
-            p - start
-            for p in range(start, start + self.num_local_experts)
-            if p % self.num_logical_experts == expert_id
-        ]
+        start, logical = self.experts_start_idx, self.num_logical_experts
+        first = start + (expert_id - start) % logical  # first replica at or after start
+        return [p - start for p in range(first, start + self.num_local_experts, logical)]
 
     def logical_of(self, slot: int) -> int:
         """Logical expert held by routed slot ``slot``."""

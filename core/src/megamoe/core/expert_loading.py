@@ -1,16 +1,20 @@
 """The loading half of ``MegaMoEExperts``: checks, pairing, conversion and staging.
 
-Each checkpoint tensor is checked (dtype, shape, finiteness, named), a quantized weight
-is paired with its scale (``ShardPairing``) and the complete shard is converted to the run
-format. Before the module first serves (its first ``finalize()``), shards are written
-straight into the kernel tensors; afterwards they are staged (``PendingUpdate``) and
-``finalize()`` commits them, so any error while loading an update discards it and the
-previous weights keep serving.
+Each checkpoint tensor's dtype and shape are checked where it arrives; it is copied to the
+module's device once and its NaN/inf are counted there (``DeviceArrival``: the counts are
+read back once, when the outermost ``load_*`` call returns; the error names every bad
+tensor). A quantized weight is paired with its scale (``ShardPairing``) and the complete
+shard is converted to the run format on the device (a Triton conversion reports its
+non-finite flag to the same ledger). Before the module first serves (its first
+``finalize()``), shards are written straight into the kernel tensors; afterwards they are
+staged (``PendingUpdate``) and ``finalize()`` commits them, so any error while loading an
+update discards it and the previous weights keep serving.
 
-Memory between ``load_*`` calls and ``finalize()``: at most one unpaired checkpoint half
-per shard and one shard's conversion workspace; during a reload, plus the run-format
-bytes of the shards it changes (replicas of one logical expert share one copy): a reload
-of every expert holds a second copy of the weights until ``finalize()``.
+Memory between ``load_*`` calls and ``finalize()``: checkpoint halves waiting for their
+partner (on the device within a budget, see ``arrival``) and one shard's conversion
+workspace; during a reload, plus the run-format bytes of the shards it changes (replicas
+of one logical expert share one copy): a reload of every expert holds a second copy of
+the weights until ``finalize()``.
 """
 
 from __future__ import annotations
@@ -22,12 +26,12 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from megamoe.core import quant
-from megamoe.core.errors import NonFiniteError
+from megamoe.core.arrival import DeviceArrival
 from megamoe.core.expert_layout import ExpertLayout, Specs
 from megamoe.core.expert_names import parse_expert_name, weight_kinds
 from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
 from megamoe.core.pairing import PROJ_TO_SHARD, SHARD_DOWN, SHARD_IDS, ShardKey, ShardPairing
-from megamoe.core.staging import PendingUpdate, count_nonfinite
+from megamoe.core.staging import PendingUpdate
 
 SCALE = "scale"  # kind of a run-format scale half handed to weight_loader
 WEIGHT = "weight"
@@ -63,15 +67,27 @@ class ExpertLoading(abc.ABC):
         self._pending = PendingUpdate()
         self._direct: set[tuple[int, str]] = set()  # written in place before first serving
         self._serving = False
+        kernel_bytes = sum(p.nbytes for p in self.kernel_params.values())
+        self._arrival = DeviceArrival(self.device, self.layout.label, kernel_bytes)
+        self._guard_depth = 0
 
     @contextlib.contextmanager
     def _update_guard(self) -> Iterator[None]:
-        """On any error, drop the pending update so the previous weights keep serving."""
+        """Read the non-finite counts when the outermost load call ends; drop the update on error.
+
+        Any error (a bad tensor, non-finite values found at the end) discards the pending
+        update, so the previous weights keep serving.
+        """
+        self._guard_depth += 1
         try:
             yield
+            if self._guard_depth == 1:
+                self._arrival.ledger.check()
         except BaseException:
             self.discard_pending()
             raise
+        finally:
+            self._guard_depth -= 1
 
     def discard_pending(self) -> None:
         """Forget every tensor loaded since the last ``finalize()`` (none was written yet)."""
@@ -79,11 +95,25 @@ class ExpertLoading(abc.ABC):
         self._run_pairing.clear()
         self._pending.clear()
         self._direct.clear()
+        self._arrival.ledger.clear()
 
     @property
     def pending_bytes(self) -> int:
         """Device bytes held by the pending update (at most the changed shards' final size)."""
         return self._pending.nbytes()
+
+    @property
+    def checkpoint_halves(self) -> tuple[str, ...]:
+        """Tensor kinds that complete one checkpoint shard: ``weight`` and the scale name."""
+        return self._ckpt_halves
+
+    def _check_checkpoint_pairs(self) -> None:
+        """Raise ``IncompleteShardsError`` for checkpoint shards still missing a half.
+
+        For subclasses that write complete shards in place themselves (``finalize()`` runs
+        the same check first).
+        """
+        self._pairing.check_complete()
 
     def weight_loader(
         self,
@@ -129,20 +159,20 @@ class ExpertLoading(abc.ABC):
                     f"for {pname}"
                 )
             kind = SCALE if pname.endswith("_scale") else WEIGHT
-            self._check_tensor(
-                name,
-                tensor,
-                self.weight_format,
-                self.layout.specs(self.weight_format, shard_id),
-                kind,
-            )
+            fmt = self.weight_format
+            self._check_spec(name, tensor, fmt, self.layout.specs(fmt, shard_id), kind)
             slot = expert_id + (self.num_local_experts if shared else 0)
-            parts = self._run_pairing.add((slot, shard_id), kind, tensor)
+            ue8m0 = kind == SCALE and fmt.is_mx
+            parts = self._arrival.arrive(
+                self._run_pairing, (slot, shard_id), kind, tensor, name, ue8m0=ue8m0
+            )
             if parts is None:
                 return False
             scale = parts.get(SCALE)
-            owned_scale = None if scale is None else _owned(scale, self.device)
-            self._write_shard(slot, shard_id, _owned(parts[WEIGHT], self.device), owned_scale)
+            staged = self._serving
+            weight = self._arrival.kept(parts[WEIGHT], staged=staged)
+            kept_scale = None if scale is None else self._arrival.kept(scale, staged=staged)
+            self._write_shard(slot, shard_id, weight, kept_scale)
             return True
 
     def load_expert_tensor(
@@ -242,18 +272,20 @@ class ExpertLoading(abc.ABC):
             )
         fmt = self.checkpoint_format
         specs = self.layout.specs(fmt, shard_id, whole_shared=slot is None)
-        self._check_tensor(f"{what} {shard_id} {kind}", tensor, fmt, specs, kind)
-        parts = self._pairing.add(key, kind, tensor)
+        name = f"{what} {shard_id} {kind}"
+        self._check_spec(name, tensor, fmt, specs, kind)
+        ue8m0 = kind != WEIGHT and fmt.is_mx
+        parts = self._arrival.arrive(self._pairing, key, kind, tensor, name, ue8m0=ue8m0)
         if parts is None:
             return set()
         self._on_shard_complete(key, parts)
         stem, _ = self.layout.slot_param(self.num_local_experts if slot is None else slot, shard_id)
         return {n for n in self.kernel_params if n.startswith(f"{stem}_")}
 
-    def _check_tensor(
+    def _check_spec(
         self, what: str, tensor: torch.Tensor, fmt: WeightFormat, specs: Specs, kind: str
     ) -> None:
-        """Named dtype, shape and finiteness checks of one weight or scale stored in ``fmt``."""
+        """Named dtype and shape checks of one weight or scale stored in ``fmt`` (no data read)."""
         label, is_scale = self.layout.label, kind != WEIGHT
         spec = specs[1] if is_scale else specs[0]
         if spec is None:
@@ -267,12 +299,6 @@ class ExpertLoading(abc.ABC):
             raise ValueError(
                 f"{label}: {what} has shape {tuple(tensor.shape)}, expected {spec.shape} for "
                 f"{fmt.value} (H={self.hidden_size}, I={self.intermediate_size})"
-            )
-        bad = count_nonfinite(tensor, ue8m0=is_scale and fmt.is_mx)
-        if bad:
-            raise NonFiniteError(
-                f"{label}: {what} holds {bad} non-finite value(s) (NaN/inf); fix the "
-                "checkpoint tensor: the expert would be poisoned"
             )
 
     # -- hooks for subclasses --------------------------------------------------------------
@@ -288,8 +314,9 @@ class ExpertLoading(abc.ABC):
         slot, shard_id = key
         scale_name = self.checkpoint_format.scale_name
         source_scale = None if scale_name is None else parts[scale_name]
+        what = "shared expert" if slot is None else f"expert {self.layout.logical_of(slot)}"
         weight, scale = self.requantize_shard(
-            parts[WEIGHT], source_scale, name=f"{self.layout.label} {key}"
+            parts[WEIGHT], source_scale, name=f"{what} {shard_id}"
         )
         if slot is not None:
             for replica in self.layout.map_global_expert_id(self.layout.logical_of(slot)):
@@ -297,9 +324,12 @@ class ExpertLoading(abc.ABC):
             return
         n = self.num_shared_experts
         for s in range(n):
-            part_scale = None if scale is None else _split(scale, n, s, shard_id)
+            part_scale = None if scale is None else split_shared_shard(scale, n, s, shard_id)
             self._write_shard(
-                self.num_local_experts + s, shard_id, _split(weight, n, s, shard_id), part_scale
+                self.num_local_experts + s,
+                shard_id,
+                split_shared_shard(weight, n, s, shard_id),
+                part_scale,
             )
 
     def requantize_shard(
@@ -307,39 +337,73 @@ class ExpertLoading(abc.ABC):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Convert one checkpoint shard to the run format on this module's device.
 
-        The result never shares memory with the inputs (the caller may reuse them).
+        A converted shard is new memory. A shard already in the run format comes back on
+        the device, as a copy once the module serves (it is staged until the commit, so the
+        caller may reuse its tensors). Inside a load call, a Triton conversion's non-finite
+        flag goes to the ledger unread (read when the outermost call returns); the torch
+        path raises at once.
+
+        Args:
+            weight: the checkpoint weight (on any device).
+            scale: its scale, None for BF16.
+            name: the shard for messages, e.g. ``"expert 3 w1"``.
+
+        Returns:
+            ``(weight, scale)`` in the run format on the device (scale None for BF16).
+
+        Raises:
+            NonFiniteError: NaN/inf, or weight x scale overflowing float32; when the load
+                call ends for a Triton conversion inside one, else at once.
         """
         src, dst = self.checkpoint_format, self.weight_format
         if src is dst:
-            return _owned(weight, self.device), None if scale is None else _owned(
-                scale, self.device
-            )
+            staged = self._serving
+            kept = self._arrival.kept(weight, staged=staged)
+            return kept, None if scale is None else self._arrival.kept(scale, staged=staged)
         weight = weight.to(self.device)
         scale = None if scale is None else scale.to(self.device)
+        converted: tuple[torch.Tensor, torch.Tensor | None]
         if dst is WeightFormat.BF16:
             dense = quant.dequantize(weight, scale, src, block_size=BLOCK_FP8_DEFAULT)
-            return dense.to(torch.bfloat16), None
-        return quant.requantize(weight, scale, src, dst, block_size=BLOCK_FP8_DEFAULT, name=name)
+            converted = dense.to(torch.bfloat16), None
+            self._arrival.ledger.record(f"{name} weight x scale", converted[0])  # inf: overflow
+        else:
+            flags: list[torch.Tensor] = []
+            converted = quant.requantize(
+                weight,
+                scale,
+                src,
+                dst,
+                block_size=BLOCK_FP8_DEFAULT,
+                name=f"{self.layout.label}: {name}",
+                nonfinite_flags=flags,
+            )
+            for flag in flags:
+                self._arrival.ledger.record_flag(f"{name} weight x scale", flag)
+        if not self._guard_depth:  # called on its own, not by a load call: read them now
+            self._arrival.ledger.check()
+        return converted
 
     def _write_shard(
         self, local_slot: int, shard_id: str, weight: torch.Tensor, scale: torch.Tensor | None
     ) -> None:
         """Hand one run-format shard of one kernel slot to the next ``finalize()``.
 
-        Checks shape, dtype and finiteness (naming the slot) first. Before the module first
-        serves, the shard is written into place at once; afterwards it is staged, held as
-        given (on the device): the caller must not change the tensors afterwards.
+        Checks shape and dtype (naming the slot) first; finiteness was counted when the
+        checkpoint tensors arrived (and by the conversion). Before the module first serves,
+        the shard is written into place at once; afterwards it is staged, held as given (on
+        the device): the caller must not change the tensors afterwards.
         """
         what, fmt = f"{self.layout.slot_label(local_slot)} {shard_id}", self.weight_format
         specs = self.layout.specs(fmt, shard_id)
-        self._check_tensor(f"{what} weight", weight, fmt, specs, WEIGHT)
+        self._check_spec(f"{what} weight", weight, fmt, specs, WEIGHT)
         if (scale is None) != (specs[1] is None):
             raise ValueError(
                 f"{self.layout.label}: {what}: got scale={'None' if scale is None else 'a tensor'}"
                 f", but {fmt.value} {'needs a' if specs[1] else 'has no'} scale"
             )
         if scale is not None:
-            self._check_tensor(f"{what} scale", scale, fmt, specs, SCALE)
+            self._check_spec(f"{what} scale", scale, fmt, specs, SCALE)
             scale = scale.to(self.device)
         if self._serving:
             self._pending.stage(local_slot, shard_id, weight.to(self.device), scale)
@@ -362,14 +426,13 @@ class ExpertLoading(abc.ABC):
                 target.copy_(value)
 
 
-def _split(tensor: torch.Tensor, n: int, s: int, shard_id: str) -> torch.Tensor:
-    """Part ``s`` of ``n`` along the intermediate dimension (rows; columns for down)."""
+def split_shared_shard(tensor: torch.Tensor, n: int, s: int, shard_id: str) -> torch.Tensor:
+    """Fused shared expert ``s`` of ``n``'s part of one shard of the whole shared MLP.
+
+    The checkpoint's shared MLP has intermediate size ``n * I``: this is part ``s`` along
+    that dimension (rows for gate/up ``w1``/``w3``, columns for down ``w2``), as a view.
+    Works alike on a weight and on its scale.
+    """
     if shard_id == SHARD_DOWN:
         return tensor.reshape(tensor.shape[0], n, -1)[:, s]
     return tensor.reshape(n, -1, tensor.shape[-1])[s]
-
-
-def _owned(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``tensor`` on ``device``, in memory its caller cannot change before the commit."""
-    moved = tensor.to(device)
-    return moved.clone() if moved.data_ptr() == tensor.data_ptr() else moved

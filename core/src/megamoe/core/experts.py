@@ -153,6 +153,21 @@ class MegaMoEExperts(ExpertLoading, torch.nn.Module):
         hands each to ``_write_shard``; errors raised here discard the pending update.
         """
 
+    def _mark_written(self, slot: int, shard_id: str) -> None:
+        """Record that a subclass wrote shard ``shard_id`` of kernel slot ``slot`` in place.
+
+        ``finalize()`` then counts the shard as present.
+        """
+        self._written.add((slot, shard_id))
+
+    def _invalidate(self) -> None:
+        """Refuse ``forward`` until the next ``finalize()``.
+
+        For subclasses that change kernel tensors in place, leaving them inconsistent until
+        they are done.
+        """
+        self._finalized = False
+
     def finalize(self) -> None:
         """Commit the pending update in place and let the backend redo the changed experts.
 

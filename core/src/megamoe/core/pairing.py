@@ -40,6 +40,7 @@ class ShardPairing:
         self.halves = tuple(halves)
         self.prefix = prefix
         self._pending: dict[ShardKey, dict[str, torch.Tensor]] = {}
+        self._held_bytes: dict[torch.device, int] = {}
 
     def add(self, key: ShardKey, half: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
         """Record one half of shard ``key``.
@@ -66,11 +67,27 @@ class ShardPairing:
         if key[1] not in SHARD_IDS:
             raise ValueError(f"{self.prefix}: shard id {key[1]!r} is not one of {SHARD_IDS}")
         parts = self._pending.setdefault(key, {})
+        if half in parts:
+            self._count(parts[half], -1)
         parts[half] = tensor
         if len(parts) < len(self.halves):
+            self._count(tensor, 1)
             return None
+        for held in parts.values():
+            if held is not tensor:
+                self._count(held, -1)
         del self._pending[key]
         return parts
+
+    def _count(self, tensor: torch.Tensor, sign: int) -> None:
+        """Add (``sign`` 1) or remove (-1) a held half's bytes on its device."""
+        self._held_bytes[tensor.device] = self._held_bytes.get(tensor.device, 0) + sign * (
+            tensor.nbytes
+        )
+
+    def held_bytes(self, device: torch.device) -> int:
+        """Bytes of the halves waiting for their partner that lie on ``device``."""
+        return self._held_bytes.get(device, 0)
 
     @property
     def pending(self) -> dict[ShardKey, tuple[str, ...]]:
@@ -92,3 +109,4 @@ class ShardPairing:
     def clear(self) -> None:
         """Drop every pending half (after a failed load, to start the update again)."""
         self._pending.clear()
+        self._held_bytes.clear()

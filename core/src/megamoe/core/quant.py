@@ -251,7 +251,8 @@ def _select_triton(
     Contract of ``requantize_triton(weight, scale, src, dst, block_size)``: it gets the
     validated pair (scale float32 for FP8_BLOCK, uint8 for MX, None for BF16), returns
     what the torch path returns bit for bit, and raises NonFiniteError as it does; ``name``
-    is passed as a keyword.
+    is passed as a keyword, and ``flags`` too when the caller collects the non-finite
+    flags instead (then it appends its flag there and does not read it).
     """
     if use_triton is False:
         return None
@@ -345,6 +346,7 @@ def requantize(
     *,
     name: str = "weight",
     use_triton: bool | None = None,
+    nonfinite_flags: list[Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Convert weights stored in ``src`` to ``dst`` bit-exactly (SPEC §3.2).
 
@@ -366,6 +368,10 @@ def requantize(
         name: tensor name used in error messages.
         use_triton: None uses the Triton kernel for CUDA tensors when it imports; False
             forces torch; True requires Triton.
+        nonfinite_flags: when given, a Triton conversion appends its one-element int32
+            flag here instead of reading it (no host sync): nonzero means the input held
+            NaN/inf (or weight x scale overflowed) and the result is meaningless; the
+            caller must check it. The torch path raises as usual and appends nothing.
 
     Returns:
         ``(weight, scale)`` in ``dst``: float8_e4m3fn (..., N, K) or packed uint8
@@ -394,7 +400,9 @@ def requantize(
     convert = dst is not src
     triton_fn = _select_triton(use_triton, weight.device, name) if convert else None
     if triton_fn is not None:
-        return triton_fn(weight, checked_scale, src, dst, block, name=name)
+        if nonfinite_flags is None:
+            return triton_fn(weight, checked_scale, src, dst, block, name=name)
+        return triton_fn(weight, checked_scale, src, dst, block, name=name, flags=nonfinite_flags)
 
     unit = block[0] if WeightFormat.FP8_BLOCK in (src, dst) else 1
     rows = chunk_rows if chunk_rows is not None else max(1, WORKSPACE_BYTES // (4 * k))

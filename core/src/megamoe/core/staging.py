@@ -13,27 +13,6 @@ import torch
 SlotShard = tuple[int, str]  # (kernel slot, shard id)
 
 
-def count_nonfinite(tensor: torch.Tensor, *, ue8m0: bool = False) -> int:
-    """Number of elements of a stored weight or scale that decode to NaN or infinity.
-
-    Args:
-        tensor: float (any width), ``float8_e4m3fn`` (NaN = exponent and mantissa all
-            ones), or ``uint8``: a UE8M0 scale when ``ue8m0`` (255 = NaN), otherwise packed
-            E2M1 codes (always finite).
-        ue8m0: read a ``uint8`` tensor as UE8M0 exponents.
-
-    Returns:
-        The count; 0 for a finite tensor.
-    """
-    if tensor.dtype == torch.float8_e4m3fn:
-        return int(((tensor.view(torch.uint8) & 0x7F) == 0x7F).sum())
-    if tensor.dtype == torch.uint8:
-        return int((tensor == 0xFF).sum()) if ue8m0 else 0
-    if tensor.is_floating_point():
-        return int((~torch.isfinite(tensor)).sum())
-    return 0
-
-
 class PendingUpdate:
     """Run-format shards staged by ``load_*`` calls and written into place at commit."""
 

@@ -305,11 +305,13 @@ def requantize_triton(
     block_size: tuple[int, int] = BLOCK_FP8_DEFAULT,
     *,
     name: str = "weight",
+    flags: list[Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Convert ``weight`` from ``src`` to ``dst`` on the GPU, bit-identical to the torch path.
 
     One kernel launch over all leading dimensions; then one synchronizing read of the
-    non-finite flag. Layouts the kernels do not cover run through the torch path.
+    non-finite flag, unless ``flags`` collects it. Layouts the kernels do not cover run
+    through the torch path.
 
     Args:
         weight: stored weight (..., N, K) (K/2 bytes for MXFP4) in ``src``.
@@ -318,6 +320,9 @@ def requantize_triton(
         dst: MXFP8, MXFP4 or FP8_BLOCK (not ``src``).
         block_size: FP8_BLOCK block (rows, columns) of the source or the target.
         name: tensor name used in error messages.
+        flags: when given, the kernel's one-element int32 non-finite flag is appended here
+            and not read (no host sync); the caller checks it (nonzero: the input held NaN
+            or inf and the result is meaningless).
 
     Returns:
         ``(weight, scale)`` in ``dst``, shaped as ``quant.requantize`` returns them.
@@ -334,6 +339,9 @@ def requantize_triton(
     if not _kernel_covers(src, dst, n, k, block):
         return quant.requantize(weight, scale, src, dst, block, name=name, use_triton=False)
     out_w, out_s, flag = requantize_triton_async(weight, scale, src, dst, block)
+    if flags is not None:
+        flags.append(flag)
+        return out_w, out_s
     if int(flag.item()) != 0:
         # The torch path finds and names the first bad element (it raises NonFiniteError).
         quant.requantize(weight, scale, src, dst, block, name=name, use_triton=False)
