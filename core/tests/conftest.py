@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -11,7 +12,6 @@ import torch
 from megamoe.core import adapters as adapter_registry
 from megamoe.core.adapters import ModelAdapter, MoEBlock, MoELayer, SyntheticSizes
 from megamoe.core.formats import WeightFormat
-from megamoe.core.quant_config import detect_expert_format
 from megamoe.core.testing import synthetic_dense, synthetic_expert_tensors
 
 TOY_QUANT = {
@@ -19,6 +19,32 @@ TOY_QUANT = {
     WeightFormat.MXFP8: {"quant_method": "mxfp8"},
     WeightFormat.MXFP4: {"quant_method": "mxfp4"},
 }
+
+
+@dataclass(frozen=True)
+class ToyConfig:
+    """Every decoder layer is an MoE layer; no MTP drafter."""
+
+    hidden_size: int
+    moe_intermediate_size: int
+    num_routed_experts: int
+    num_hidden_layers: int
+    quantization_config: Mapping[str, Any] | None
+    num_experts_per_tok: int = 2
+    num_nextn_predict_layers: int = 0
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any]) -> ToyConfig:
+        return cls(
+            hidden_size=config["hidden_size"],
+            moe_intermediate_size=config["moe_intermediate_size"],
+            num_routed_experts=config["num_experts"],
+            num_hidden_layers=config["num_hidden_layers"],
+            quantization_config=config.get("quantization_config"),
+        )
+
+    def is_moe_layer(self, index: int) -> bool:
+        return 0 <= index < self.num_hidden_layers
 
 
 class ToyAdapter(ModelAdapter):
@@ -29,20 +55,7 @@ class ToyAdapter(ModelAdapter):
     model_types = ("toy_moe",)
     architectures = ("ToyMoeForCausalLM",)
     checkpoint_formats = tuple(WeightFormat)
-
-    def moe_layers(self, config: Mapping[str, Any]) -> list[MoELayer]:
-        return [
-            MoELayer(
-                i,
-                f"model.layers.{i}.mlp",
-                detect_expert_format(
-                    config.get("quantization_config"),
-                    f"model.layers.{i}.mlp.experts",
-                    num_experts=config["num_experts"],
-                ),
-            )
-            for i in range(config["num_hidden_layers"])
-        ]
+    config_class = ToyConfig
 
     def build_block(self, *args: Any, **kwargs: Any) -> MoEBlock:
         raise NotImplementedError("the toy adapter has no MoE block")

@@ -54,17 +54,20 @@ def test_from_json_reads_file_and_directory(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"hidden_size": None}, r"config has no 'hidden_size'"),
-        ({"num_experts": 0}, r"config num_experts=0 must be a positive integer"),
-        ({"moe_intermediate_size": 12.5}, r"moe_intermediate_size=12\.5 must be a positive"),
-        ({"num_experts_per_tok": True}, r"num_experts_per_tok=True must be a positive"),
+        ({"hidden_size": None}, r"config\.json: 'hidden_size' is missing"),
+        ({"num_experts": 0}, r"config\.json: num_experts=0 must be an integer >= 1"),
+        ({"moe_intermediate_size": 12.5}, r"moe_intermediate_size=12\.5 must be an integer >= 1"),
+        ({"num_experts_per_tok": True}, r"num_experts_per_tok=True must be an integer >= 1"),
         ({"num_experts_per_tok": 9}, r"num_experts_per_tok=9 exceeds num_experts=8"),
-        ({"decoder_sparse_step": 0}, r"decoder_sparse_step=0 must be a positive"),
-        ({"norm_topk_prob": "yes"}, r"norm_topk_prob must be true or false, got 'yes'"),
+        ({"decoder_sparse_step": 0}, r"decoder_sparse_step=0 must be an integer >= 1"),
+        ({"norm_topk_prob": "yes"}, r"norm_topk_prob='yes' must be true or false"),
         ({"mlp_only_layers": [4]}, r"mlp_only_layers=\[4\] must list layer indices in \[0, "),
         ({"mlp_only_layers": "0"}, r"mlp_only_layers='0'"),
-        ({"num_nextn_predict_layers": -1}, r"num_nextn_predict_layers=-1 must be a non-negative"),
-        ({"quantization_config": "fp8"}, r"quantization_config must be an object, got str"),
+        ({"num_nextn_predict_layers": -1}, r"num_nextn_predict_layers=-1 must be an integer >= 0"),
+        (
+            {"quantization_config": "fp8"},
+            r"quantization_config='fp8' must be an object .*, got str",
+        ),
     ],
 )
 def test_invalid_keys_are_named(change: dict[str, Any], message: str) -> None:

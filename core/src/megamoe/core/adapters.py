@@ -8,22 +8,27 @@ checkpoint reader and the CLI find them here.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from megamoe.core.expert_names import TensorSpec, expert_tensor_spec
+from megamoe.core.block_setup import EXPERTS
+from megamoe.core.expert_names import TensorSpec, expert_tensor_spec, parse_expert_name
 from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
+from megamoe.core.hf_config import MoEConfig
 from megamoe.core.parallel import ParallelSettings
+from megamoe.core.quant_config import detect_expert_format, mark_converted
 
 if TYPE_CHECKING:
     from megamoe.core.checkpoint import CheckpointReader
     from megamoe.core.experts import MegaMoEExperts
 
 ENTRY_POINT_GROUP = "megamoe.adapters"
+MAIN_LAYER_PREFIX = "model.layers.{}.mlp"  # MoE block of main-model decoder layer {}
+MTP_LAYER_PREFIX = "mtp.layers.{}.mlp"  # MoE block of MTP drafter layer {}
 
 
 @dataclass(frozen=True)
@@ -59,19 +64,81 @@ class SyntheticSizes:
 class MoEBlock(torch.nn.Module):
     """What ``ModelAdapter.build_block`` returns: one MoE layer on megamoe.
 
+    Its constructor takes ``(config, *, prefix, parallel, **options)`` with the options of
+    ``megamoe.core.block_setup.BlockOptions``. Subclasses load their tensors in
+    ``load_weights`` and commit them in ``finalize``; ``load_from_checkpoint`` drives both.
+
     Attributes:
         experts: the routed experts module.
+        prefix: the block's tensor prefix.
+        is_mtp: the block belongs to the MTP drafter.
     """
 
     experts: MegaMoEExperts
+    prefix: str
+    is_mtp: bool
 
     @abc.abstractmethod
-    def load_from_checkpoint(self, reader: CheckpointReader) -> None:
-        """Load this layer's tensors (only this rank's experts) and finalize."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load tensors named relative to the block prefix; ``finalize()`` commits them."""
+
+    @abc.abstractmethod
+    def finalize(self) -> None:
+        """Check that the load is complete and commit the experts' update."""
 
     @abc.abstractmethod
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Routed plus shared output for this rank's tokens, (tokens, hidden) bf16."""
+        """Routed plus shared output for this rank's tokens.
+
+        Args:
+            hidden_states: (tokens, hidden_size) bfloat16.
+
+        Returns:
+            (tokens, hidden_size) bfloat16.
+
+        Raises:
+            ValueError: a shape that does not match.
+            TypeError: a dtype other than bfloat16.
+            RuntimeError: the block was not finalized.
+        """
+
+    def wants(self, name: str) -> bool:
+        """Whether tensor ``name`` (relative to the block prefix) concerns this rank.
+
+        Routed-expert tensors (``experts.{e}.*``) of experts that other ranks hold do not;
+        anything else does (fused expert tensors, and names that do not parse, so that
+        loading reports them).
+        """
+        head, _, rest = name.partition(".")
+        if head != EXPERTS:
+            return True
+        parsed = parse_expert_name(rest)
+        if parsed is None or parsed.expert is None:
+            return True
+        if parsed.expert >= self.experts.num_logical_experts:
+            return True
+        return bool(self.experts.map_global_expert_id(parsed.expert))
+
+    def load_from_checkpoint(self, reader: CheckpointReader) -> None:
+        """Load this layer's tensors (only this rank's experts) and finalize.
+
+        Only this rank's experts are read, one tensor at a time; with a reader opened with
+        an adapter, their headers are checked before anything is loaded.
+
+        Args:
+            reader: the checkpoint.
+
+        Raises:
+            CheckpointError: missing, unreadable or mismatching tensors.
+            ValueError / IncompleteShardsError / MissingExpertsError: see the block's
+                ``load_weights`` and ``finalize``.
+        """
+        layer = next((m for m in reader.layers if m.prefix == self.prefix), None)
+        if layer is not None:
+            experts = range(self.experts.num_logical_experts)
+            reader.check_layer(layer, [e for e in experts if self.experts.map_global_expert_id(e)])
+        self.load_weights(reader.iter_tensors(self.prefix, keep=self.wants))
+        self.finalize()
 
 
 class ModelAdapter(abc.ABC):
@@ -82,6 +149,8 @@ class ModelAdapter(abc.ABC):
     model_types: ClassVar[tuple[str, ...]]  # config.json "model_type" values it claims
     architectures: ClassVar[tuple[str, ...]]  # config.json "architectures" it claims
     checkpoint_formats: ClassVar[tuple[WeightFormat, ...]]  # formats it loads
+    config_class: ClassVar[type[MoEConfig]]  # the parsed config.json (parse_config)
+    block_class: ClassVar[type[MoEBlock]]  # what build_block constructs
 
     def claims(self, config: Mapping[str, Any]) -> bool:
         """Whether this adapter handles a checkpoint with this ``config.json``."""
@@ -89,16 +158,50 @@ class ModelAdapter(abc.ABC):
             return True
         return any(arch in self.architectures for arch in config.get("architectures") or ())
 
-    @abc.abstractmethod
-    def moe_layers(self, config: Mapping[str, Any]) -> list[MoELayer]:
-        """Every MoE layer of the checkpoint (MTP drafter included) with its expert format.
+    def parse_config(self, config: Mapping[str, Any]) -> MoEConfig:
+        """``config.json`` parsed and validated by ``config_class.from_dict``.
 
         Raises:
+            ValueError: a missing or invalid key (named).
+            NotImplementedError: a setting megamoe cannot run (named).
+        """
+        return self.config_class.from_dict(config)
+
+    def moe_layers(self, config: Mapping[str, Any]) -> list[MoELayer]:
+        """Every MoE layer of the checkpoint with the format of its routed experts.
+
+        ``model.layers.{i}.mlp`` for each main-model layer ``i`` the config marks as MoE
+        (``MoEConfig.is_moe_layer``), then ``mtp.layers.{j}.mlp`` (``is_mtp=True``) for each
+        of the ``num_nextn_predict_layers`` MTP drafter layers.
+
+        Raises:
+            ValueError: an invalid config key (named).
             NotImplementedError: a quantization method megamoe cannot load, naming it and
                 the layer prefix.
         """
+        cfg = self.parse_config(config)
+        found = [
+            (i, MAIN_LAYER_PREFIX.format(i), False)
+            for i in range(cfg.num_hidden_layers)
+            if cfg.is_moe_layer(i)
+        ]
+        found += [
+            (j, MTP_LAYER_PREFIX.format(j), True) for j in range(cfg.num_nextn_predict_layers)
+        ]
+        return [
+            MoELayer(
+                index=index,
+                prefix=prefix,
+                checkpoint_format=detect_expert_format(
+                    cfg.quantization_config,
+                    f"{prefix}.{EXPERTS}",
+                    num_experts=cfg.num_routed_experts,
+                ),
+                is_mtp=is_mtp,
+            )
+            for index, prefix, is_mtp in found
+        ]
 
-    @abc.abstractmethod
     def build_block(
         self,
         config: Mapping[str, Any],
@@ -110,7 +213,22 @@ class ModelAdapter(abc.ABC):
         device: torch.device | str | None = None,
         max_num_tokens: int = 256,
     ) -> MoEBlock:
-        """Build the MoE block of ``layer`` (weights still unloaded)."""
+        """The MoE block of ``layer`` (a ``block_class``), weights still unloaded.
+
+        ``load_from_checkpoint`` loads them. ``moe_format`` forces the run format of the
+        main model's layers; the MTP drafter's layers take the default. See the adapter's
+        block class for the errors.
+        """
+        return self.block_class(
+            config,
+            prefix=layer.prefix,
+            parallel=parallel,
+            moe_format=moe_format,
+            is_mtp=layer.is_mtp,
+            backend=backend,
+            device=device,
+            max_num_tokens=max_num_tokens,
+        )
 
     @abc.abstractmethod
     def reference_forward(
@@ -132,8 +250,18 @@ class ModelAdapter(abc.ABC):
         """Every tensor of a synthetic checkpoint for ``config``, in checkpoint naming."""
 
     def converted_config(self, config: Mapping[str, Any], fmt: WeightFormat) -> dict[str, Any]:
-        """``config.json`` of a checkpoint whose routed experts were converted to ``fmt``."""
-        raise NotImplementedError(f"{self.name} does not support megamoe convert")
+        """``config.json`` of a checkpoint whose expert groups were converted to ``fmt``.
+
+        The default lists every one of ``expert_prefixes`` of every MoE layer as converted
+        in ``quantization_config`` (see ``megamoe.core.quant_config.mark_converted``); every
+        other module keeps its format.
+        """
+        prefixes = [p for layer in self.moe_layers(config) for p in self.expert_prefixes(layer)]
+        converted = dict(config)
+        converted["quantization_config"] = mark_converted(
+            config.get("quantization_config"), fmt, prefixes
+        )
+        return converted
 
     def expert_prefixes(self, layer: MoELayer) -> tuple[str, ...]:
         """Tensor prefixes of the expert groups ``megamoe convert`` converts in ``layer``.
@@ -148,27 +276,12 @@ class ModelAdapter(abc.ABC):
     def expert_dims(self, config: Mapping[str, Any]) -> tuple[int, int, int]:
         """``(routed experts E, hidden size H, expert intermediate size I)`` of ``config``.
 
-        The default reads the Hugging Face keys ``num_experts`` (Qwen-style) or
-        ``n_routed_experts`` (DeepSeek-style), ``hidden_size`` and ``moe_intermediate_size``.
-
         Raises:
-            ValueError: a key is missing or not a positive integer.
+            ValueError: a missing or invalid key (see ``parse_config``).
+            NotImplementedError: a setting megamoe cannot run (see ``parse_config``).
         """
-        keys = (
-            "n_routed_experts" if "n_routed_experts" in config else "num_experts",
-            "hidden_size",
-            "moe_intermediate_size",
-        )
-        dims = []
-        for key in keys:
-            value = config.get(key)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(
-                    f"config.json: {key}={value!r} must be a positive integer; {self.name} "
-                    "needs it to size the experts"
-                )
-            dims.append(value)
-        return dims[0], dims[1], dims[2]
+        cfg = self.parse_config(config)
+        return cfg.num_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
 
     def expected_expert_tensor(
         self, config: Mapping[str, Any], layer: MoELayer, name: str

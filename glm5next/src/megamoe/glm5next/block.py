@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Unpack
 
 import torch
 
 from megamoe.core.adapters import MoEBlock
-from megamoe.core.expert_names import parse_expert_name
-from megamoe.core.formats import ARCH_REFERENCE, WeightFormat, detect_arch, resolve_formats
+from megamoe.core.block_setup import (
+    EXPERTS,
+    BlockOptions,
+    check_hidden_states,
+    load_dense_tensor,
+    plan_experts,
+)
+from megamoe.core.formats import WeightFormat
 from megamoe.core.parallel import ParallelSettings
 from megamoe.core.quant_config import detect_expert_format
 from megamoe.core.shared_expert import AuxStream, SwiGLUMLP
@@ -18,16 +24,11 @@ from megamoe.glm5next.config import MODEL_NAME, Glm5NextConfig
 from megamoe.glm5next.experts import DEFAULT_REQUANT_CHUNK, Glm5NextMegaMoEExperts
 from megamoe.glm5next.router import Glm5NextRouter
 
-if TYPE_CHECKING:
-    from megamoe.core.checkpoint import CheckpointReader
-
 logger = logging.getLogger("megamoe")
 
 ROUTER = "gate.weight"
 ROUTER_BIAS = "gate.e_score_correction_bias"
-EXPERTS = "experts"
 SHARED_EXPERTS = "shared_experts"
-MTP_PREFIX = "mtp."  # the MTP drafter's layers never take a forced run format
 # Run formats whose SM100 kernel can take the shared expert as one more expert.
 FUSABLE_RUN_FORMATS = frozenset({WeightFormat.MXFP8, WeightFormat.MXFP4, WeightFormat.BF16})
 
@@ -51,20 +52,15 @@ class Glm5NextMegaMoeBlock(MoEBlock):
         prefix: the block's tensor prefix, ``model.layers.{L}.mlp`` or ``mtp.layers.{i}.mlp``.
         parallel: expert-parallel group (required: a group of size 1 for one device),
             linear placement, tensor parallel 1, redundant experts.
-        moe_format: run format to force; None runs the experts as stored where the target
-            can (block-FP8 on Hopper and the reference path), else converts with a warning
-            (block-FP8 -> MXFP8 on SM100). Ignored by the MTP drafter's layers.
-        is_mtp: whether the block belongs to the MTP drafter; None infers it from the prefix.
-        backend: ``"auto"``, ``"reference"`` or ``"deepgemm"``.
-        device: where weights and activations live (None = CPU).
-        max_num_tokens: most tokens one forward on this rank may carry.
         fuse_shared: None fuses the shared expert where the run format allows; False never
             fuses; True requires fusing.
         use_aux_stream: False runs an unfused shared expert serially.
-        emulate_kernel: reference backend: round activations as the kernel does.
-        arch: ``sm90``, ``sm100`` or ``reference`` to decide the run format for; None
-            derives it from ``backend`` and ``device``.
         requant_chunk: experts per step of ``requantize_block_fp8``.
+        **options: ``moe_format``, ``is_mtp``, ``backend``, ``device``, ``max_num_tokens``,
+            ``emulate_kernel``, ``arch`` (see ``megamoe.core.block_setup.BlockOptions``).
+            With ``moe_format=None`` the experts run as stored where the target can
+            (block-FP8 on Hopper and the reference path), else convert with a warning
+            (block-FP8 -> MXFP8 on SM100).
 
     Raises:
         NotImplementedError: no expert-parallel group, tensor parallel > 1, non-linear
@@ -82,65 +78,32 @@ class Glm5NextMegaMoeBlock(MoEBlock):
         *,
         prefix: str,
         parallel: ParallelSettings,
-        moe_format: WeightFormat | str | None = None,
-        is_mtp: bool | None = None,
-        backend: str = "auto",
-        device: torch.device | str | None = None,
-        max_num_tokens: int = 256,
         fuse_shared: bool | None = None,
         use_aux_stream: bool = True,
-        emulate_kernel: bool = False,
-        arch: str | None = None,
         requant_chunk: int = DEFAULT_REQUANT_CHUNK,
+        **options: Unpack[BlockOptions],
     ) -> None:
         super().__init__()
         cfg = config if isinstance(config, Glm5NextConfig) else Glm5NextConfig.from_dict(config)
-        parallel.check_megamoe(MODEL_NAME, require_ep_group=True)
+        plan = plan_experts(MODEL_NAME, prefix, cfg, parallel=parallel, **options)
         self.config, self.prefix, self.requant_chunk = cfg, prefix, requant_chunk
-        self.is_mtp = prefix.startswith(MTP_PREFIX) if is_mtp is None else is_mtp
-        self.device = torch.device("cpu") if device is None else torch.device(device)
-        quant_config = cfg.quantization_config
-        checkpoint_format = detect_expert_format(
-            quant_config, f"{prefix}.{EXPERTS}", num_experts=cfg.n_routed_experts
-        )
-        target = arch or (ARCH_REFERENCE if backend == "reference" else detect_arch(self.device))
-        _, run_format = resolve_formats(
-            checkpoint_format, None if self.is_mtp else moe_format, target
-        )
+        self.is_mtp, self.device = plan.is_mtp, plan.device
         shared_format = (
-            detect_expert_format(quant_config, f"{prefix}.{SHARED_EXPERTS}")
+            detect_expert_format(cfg.quantization_config, f"{prefix}.{SHARED_EXPERTS}")
             if cfg.n_shared_experts
             else None
         )
         self.fused_shared = self._fuses_shared(
-            fuse_shared, checkpoint_format, shared_format, run_format
+            fuse_shared, plan.checkpoint_format, shared_format, plan.run_format
         )
         logger.debug(
-            "%s: %s routed experts run as %s, shared expert %s",
+            "%s: shared expert %s",
             prefix,
-            checkpoint_format.value,
-            run_format.value,
             "fused" if self.fused_shared else "separate" if shared_format else "absent",
         )
-        num_physical = cfg.n_routed_experts + parallel.num_redundant_experts
-        num_local = num_physical // parallel.ep_size
-        self.experts = Glm5NextMegaMoEExperts(
-            num_experts=num_physical,
-            num_local_experts=num_local,
-            experts_start_idx=parallel.ep_rank * num_local,
-            num_logical_experts=cfg.n_routed_experts,
-            top_k=cfg.num_experts_per_tok,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.moe_intermediate_size,
-            weight_format=run_format,
-            checkpoint_format=checkpoint_format,
+        self.experts = plan.build_experts(
+            Glm5NextMegaMoEExperts,
             num_shared_experts=cfg.n_shared_experts if self.fused_shared else 0,
-            max_num_tokens=max_num_tokens,
-            process_group=parallel.ep_group,
-            backend=backend,
-            device=self.device,
-            prefix=f"{prefix}.{EXPERTS}",
-            emulate_kernel=emulate_kernel,
             weight_block_size=cfg.weight_block_size,
         )
         self.shared_experts: SwiGLUMLP | None = None
@@ -185,30 +148,8 @@ class Glm5NextMegaMoeBlock(MoEBlock):
     # -- forward ---------------------------------------------------------------------------
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Routed plus shared output for this rank's tokens.
-
-        Args:
-            hidden_states: (tokens, hidden_size) bfloat16.
-
-        Returns:
-            (tokens, hidden_size) bfloat16.
-
-        Raises:
-            ValueError: a shape that does not match.
-            TypeError: a dtype other than bfloat16.
-            RuntimeError: the block was not finalized.
-        """
-        hidden = self.config.hidden_size
-        if hidden_states.dim() != 2 or hidden_states.shape[1] != hidden:
-            raise ValueError(
-                f"{self.prefix}: hidden_states has shape {tuple(hidden_states.shape)}, "
-                f"expected (tokens, hidden_size={hidden})"
-            )
-        if hidden_states.dtype != torch.bfloat16:
-            raise TypeError(
-                f"{self.prefix}: hidden_states has dtype {hidden_states.dtype}, expected "
-                "torch.bfloat16"
-            )
+        """Routed plus (fused or separate) shared-expert output; see ``MoEBlock.forward``."""
+        check_hidden_states(self.prefix, hidden_states, self.config.hidden_size)
         shared_mlp = self.shared_experts
         join_shared = (
             None
@@ -223,20 +164,6 @@ class Glm5NextMegaMoeBlock(MoEBlock):
         return (routed.float() + shared.float()).to(torch.bfloat16)
 
     # -- loading ---------------------------------------------------------------------------
-
-    def wants(self, name: str) -> bool:
-        """Whether ``name`` (relative to the block prefix) concerns this rank.
-
-        Routed-expert tensors of other ranks' experts do not; anything else does (names
-        that do not parse are kept so that loading reports them).
-        """
-        head, _, rest = name.partition(".")
-        if head != EXPERTS:
-            return True
-        parsed = parse_expert_name(rest)
-        if parsed is None or parsed.expert is None or parsed.expert >= self.config.n_routed_experts:
-            return True
-        return bool(self.experts.map_global_expert_id(parsed.expert))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load tensors named relative to the block prefix, in any order and chunking.
@@ -278,20 +205,9 @@ class Glm5NextMegaMoeBlock(MoEBlock):
     def _load_router(self, name: str, tensor: torch.Tensor) -> None:
         """Copy the router weight or its selection bias, checking shape, dtype and values."""
         param = self.gate.weight if name == ROUTER else self.gate.e_score_correction_bias
-        if tuple(tensor.shape) != tuple(param.shape):
-            raise ValueError(
-                f"{self.prefix}.{name} has shape {tuple(tensor.shape)}, expected "
-                f"{tuple(param.shape)} (n_routed_experts={self.config.n_routed_experts}, "
-                f"hidden_size={self.config.hidden_size})"
-            )
-        if not tensor.is_floating_point() or tensor.element_size() < 2:
-            raise ValueError(
-                f"{self.prefix}.{name} has dtype {tensor.dtype}, expected bf16/fp16/fp32: the "
-                "router is not quantized"
-            )
-        if not bool(torch.isfinite(tensor).all()):
-            raise ValueError(f"{self.prefix}.{name} holds NaN or infinity; fix the checkpoint")
-        param.data.copy_(tensor)
+        cfg = self.config
+        note = f"n_routed_experts={cfg.n_routed_experts}, hidden_size={cfg.hidden_size}"
+        load_dense_tensor(f"{self.prefix}.{name}", param, tensor, shape_note=note)
         self._router_loaded.add(name)
 
     def finalize(self) -> None:
@@ -311,28 +227,3 @@ class Glm5NextMegaMoeBlock(MoEBlock):
             self.shared_experts.check_loaded()
         self.experts.requantize_block_fp8(chunk=self.requant_chunk)
         self.experts.finalize()
-
-    def load_from_checkpoint(self, reader: CheckpointReader) -> None:
-        """Load this layer (router, bias, shared expert, this rank's experts) and finalize.
-
-        Only this rank's experts are read, one tensor at a time; with a reader opened with
-        an adapter, their headers are checked before anything is loaded.
-
-        Args:
-            reader: the checkpoint.
-
-        Raises:
-            CheckpointError: missing, unreadable or mismatching tensors.
-            ValueError / IncompleteShardsError / MissingExpertsError: see ``load_weights``
-                and ``finalize``.
-        """
-        layer = next((m for m in reader.layers if m.prefix == self.prefix), None)
-        if layer is not None:
-            local = [
-                e
-                for e in range(self.config.n_routed_experts)
-                if self.experts.map_global_expert_id(e)
-            ]
-            reader.check_layer(layer, local)
-        self.load_weights(reader.iter_tensors(self.prefix, keep=self.wants))
-        self.finalize()

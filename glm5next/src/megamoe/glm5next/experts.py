@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from megamoe.core import quant
-from megamoe.core.expert_loading import WEIGHT, _split
+from megamoe.core.expert_loading import WEIGHT, split_shared_shard
 from megamoe.core.experts import MegaMoEExperts
 from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
 from megamoe.core.pairing import PROJ_TO_SHARD, SHARD_DOWN, SHARD_GATE, SHARD_UP, ShardKey
@@ -129,10 +129,10 @@ class Glm5NextMegaMoEExperts(MegaMoEExperts):
             NonFiniteError: the tensor holds NaN or infinity.
         """
         proj, _, kind = name.partition(".")
-        if proj not in PROJ_TO_SHARD or kind not in self._ckpt_halves:
+        if proj not in PROJ_TO_SHARD or kind not in self.checkpoint_halves:
             raise ValueError(
                 f"{self.layout.label}: unexpected shared-expert tensor {name!r}; expected "
-                f"{{gate,up,down}}_proj.{{{','.join(self._ckpt_halves)}}} "
+                f"{{gate,up,down}}_proj.{{{','.join(self.checkpoint_halves)}}} "
                 f"({self.checkpoint_format.value} checkpoint)"
             )
         return self.load_shared_expert_tensor(PROJ_TO_SHARD[proj], kind, tensor)
@@ -149,8 +149,8 @@ class Glm5NextMegaMoEExperts(MegaMoEExperts):
             targets = [
                 (
                     self.num_local_experts + s,
-                    _split(weight, n, s, shard_id),
-                    _split(scale, n, s, shard_id),
+                    split_shared_shard(weight, n, s, shard_id),
+                    split_shared_shard(scale, n, s, shard_id),
                 )
                 for s in range(n)
             ]
@@ -158,7 +158,7 @@ class Glm5NextMegaMoEExperts(MegaMoEExperts):
             replicas = self.layout.map_global_expert_id(self.layout.logical_of(slot))
             targets = [(r, weight, scale) for r in replicas]
         # From here until requantize_block_fp8() the kernel tensors are inconsistent.
-        self._finalized = False
+        self._invalidate()
         for target, part_weight, part_scale in targets:
             weight_view, scale_view = self._block_views(target, shard_id)
             weight_view.copy_(part_weight)
@@ -210,7 +210,7 @@ class Glm5NextMegaMoEExperts(MegaMoEExperts):
         """
         if chunk < 1:
             raise ValueError(f"{self.layout.label}: chunk={chunk} must be >= 1 (experts per step)")
-        self._pairing.check_complete()
+        self._check_checkpoint_pairs()
         if not self._new_shards:
             return
         params = self.kernel_params
@@ -237,7 +237,7 @@ class Glm5NextMegaMoEExperts(MegaMoEExperts):
                     mx_scale[index, r0:r1].copy_(new_scale[j])
                     for shard_id in shard_ids:
                         self._new_shards.discard((slot, shard_id))
-                        self._written.add((slot, shard_id))
+                        self._mark_written(slot, shard_id)
                     self._requantized_slots.add(slot)
 
     def _row_plan(self) -> _RowPlan:

@@ -19,6 +19,7 @@ from megamoe.glm5next.config import Glm5NextConfig
 from megamoe.glm5next.router import grouped_topk
 
 if TYPE_CHECKING:
+    from megamoe.core.adapters import MoELayer
     from megamoe.core.checkpoint import CheckpointReader
 
 _PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -42,18 +43,19 @@ def _swiglu(
 
 
 def reference_forward(
-    reader: CheckpointReader, prefix: str, hidden_states: torch.Tensor
+    reader: CheckpointReader, layer: MoELayer, hidden_states: torch.Tensor
 ) -> torch.Tensor:
-    """Routed plus shared output of the layer at ``prefix`` for ``hidden_states``, float64.
+    """Routed plus shared output of ``layer`` for ``hidden_states``, float64.
 
     Args:
         reader: the checkpoint.
-        prefix: the MoE block prefix, e.g. ``model.layers.1.mlp``.
+        layer: the MoE layer (one of ``reader.layers``).
         hidden_states: (tokens, H), any float dtype (computed in float64).
 
     Returns:
         (tokens, H) float64.
     """
+    prefix = layer.prefix
     cfg = Glm5NextConfig.from_dict(reader.config)
     x = hidden_states.double().cpu()
     block = cfg.weight_block_size

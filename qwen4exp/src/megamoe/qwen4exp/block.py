@@ -2,34 +2,30 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Unpack
 
 import torch
 import torch.nn.functional as F
 
 from megamoe.core.adapters import MoEBlock
-from megamoe.core.expert_names import WEIGHT, WEIGHT_PACKED, parse_expert_name
-from megamoe.core.formats import ARCH_REFERENCE, WeightFormat, detect_arch, resolve_formats
+from megamoe.core.block_setup import (
+    EXPERTS,
+    BlockOptions,
+    check_hidden_states,
+    load_dense_tensor,
+    plan_experts,
+)
+from megamoe.core.expert_names import WEIGHT, WEIGHT_PACKED
 from megamoe.core.parallel import ParallelSettings
 from megamoe.core.quant_config import detect_expert_format
 from megamoe.core.shared_expert import AuxStream, SwiGLUMLP
-from megamoe.qwen4exp.config import Qwen4ExpConfig
+from megamoe.qwen4exp.config import MODEL_NAME, Qwen4ExpConfig
 from megamoe.qwen4exp.experts import Qwen4ExpMegaMoEExperts
 
-if TYPE_CHECKING:
-    from megamoe.core.checkpoint import CheckpointReader
-
-logger = logging.getLogger("megamoe")
-
-MODEL_NAME = "Qwen4Exp"
 ROUTER = "gate.weight"
 SHARED_GATE = "shared_expert_gate.weight"
 SHARED_EXPERT = "shared_expert"
-EXPERTS = "experts"
-MTP_PREFIX = "mtp."  # the MTP drafter's layers; they never take a forced run format
-_logged: set[tuple[WeightFormat, WeightFormat]] = set()
 
 
 class Qwen4ExpMegaMoeBlock(MoEBlock):
@@ -47,18 +43,9 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
             ``mtp.layers.0.mlp``.
         parallel: expert-parallel group (required; a group of size 1 for one device),
             placement (linear) and tensor-parallel size (1).
-        moe_format: run format to force (``"mxfp8"``, ``WeightFormat.MXFP4``, ...); None
-            runs the experts as stored where the target can, else converts with a warning.
-            Ignored by the MTP drafter's layers, which take the default.
-        is_mtp: whether the block belongs to the MTP drafter; None infers it from the
-            prefix (``mtp.``).
-        backend: ``"auto"``, ``"reference"`` or ``"deepgemm"``.
-        device: where weights and activations live (None = CPU).
-        max_num_tokens: most tokens one forward on this rank may carry.
         use_aux_stream: False runs the shared expert serially on the current stream.
-        emulate_kernel: reference backend: round activations as the kernel does.
-        arch: target kernel family (``sm90``, ``sm100``, ``reference``) that decides the
-            run format; None derives it from ``backend`` and ``device``.
+        **options: ``moe_format``, ``is_mtp``, ``backend``, ``device``, ``max_num_tokens``,
+            ``emulate_kernel``, ``arch`` (see ``megamoe.core.block_setup.BlockOptions``).
 
     Raises:
         NotImplementedError: no expert-parallel group, tensor parallel > 1, non-linear
@@ -75,64 +62,15 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
         *,
         prefix: str,
         parallel: ParallelSettings,
-        moe_format: WeightFormat | str | None = None,
-        is_mtp: bool | None = None,
-        backend: str = "auto",
-        device: torch.device | str | None = None,
-        max_num_tokens: int = 256,
         use_aux_stream: bool = True,
-        emulate_kernel: bool = False,
-        arch: str | None = None,
+        **options: Unpack[BlockOptions],
     ) -> None:
         super().__init__()
         cfg = config if isinstance(config, Qwen4ExpConfig) else Qwen4ExpConfig.from_dict(config)
-        parallel.check_megamoe(MODEL_NAME, require_ep_group=True)
-        self.config, self.prefix = cfg, prefix
-        self.is_mtp = prefix.startswith(MTP_PREFIX) if is_mtp is None else is_mtp
-        self.device = torch.device("cpu") if device is None else torch.device(device)
-        num_physical = cfg.num_experts + parallel.num_redundant_experts
-        if num_physical % parallel.ep_size:
-            raise ValueError(
-                f"{prefix}: {num_physical} physical experts (num_experts={cfg.num_experts} + "
-                f"num_redundant_experts={parallel.num_redundant_experts}) do not split evenly "
-                f"over {parallel.ep_size} expert-parallel ranks; change num_redundant_experts "
-                "so that the total is a multiple of the EP size"
-            )
-        num_local = num_physical // parallel.ep_size
-        quant = cfg.quantization_config
-        checkpoint_format = detect_expert_format(
-            quant, f"{prefix}.{EXPERTS}", num_experts=cfg.num_experts
-        )
-        target = arch or (ARCH_REFERENCE if backend == "reference" else detect_arch(self.device))
-        _, run_format = resolve_formats(
-            checkpoint_format, None if self.is_mtp else moe_format, target
-        )
-        if (checkpoint_format, run_format) not in _logged:
-            _logged.add((checkpoint_format, run_format))
-            logger.info(
-                "%s MegaMoE runs %s routed experts (checkpoint: %s)",
-                MODEL_NAME,
-                run_format.value,
-                checkpoint_format.value,
-            )
+        plan = plan_experts(MODEL_NAME, prefix, cfg, parallel=parallel, **options)
+        self.config, self.prefix, self.is_mtp, self.device = cfg, prefix, plan.is_mtp, plan.device
+        self.experts = plan.build_experts(Qwen4ExpMegaMoEExperts)
         hidden = cfg.hidden_size
-        self.experts = Qwen4ExpMegaMoEExperts(
-            num_experts=num_physical,
-            num_local_experts=num_local,
-            experts_start_idx=parallel.ep_rank * num_local,
-            num_logical_experts=cfg.num_experts,
-            top_k=cfg.num_experts_per_tok,
-            hidden_size=hidden,
-            intermediate_size=cfg.moe_intermediate_size,
-            weight_format=run_format,
-            checkpoint_format=checkpoint_format,
-            max_num_tokens=max_num_tokens,
-            process_group=parallel.ep_group,
-            backend=backend,
-            device=self.device,
-            prefix=f"{prefix}.{EXPERTS}",
-            emulate_kernel=emulate_kernel,
-        )
         self.gate = torch.nn.Linear(
             hidden, cfg.num_experts, bias=False, device=self.device, dtype=torch.bfloat16
         )
@@ -142,7 +80,9 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
         self.shared_expert = SwiGLUMLP(
             hidden,
             cfg.shared_expert_intermediate_size,
-            checkpoint_format=detect_expert_format(quant, f"{prefix}.{SHARED_EXPERT}"),
+            checkpoint_format=detect_expert_format(
+                cfg.quantization_config, f"{prefix}.{SHARED_EXPERT}"
+            ),
             device=self.device,
             prefix=f"{prefix}.{SHARED_EXPERT}",
         )
@@ -172,29 +112,8 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
         return self.shared_expert(hidden_states).float() * gate
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Routed plus shared output for this rank's tokens.
-
-        Args:
-            hidden_states: (tokens, hidden_size) bfloat16.
-
-        Returns:
-            (tokens, hidden_size) bfloat16.
-
-        Raises:
-            ValueError / TypeError: a shape or dtype that does not match.
-            RuntimeError: the block was not finalized.
-        """
-        hidden = self.config.hidden_size
-        if hidden_states.dim() != 2 or hidden_states.shape[1] != hidden:
-            raise ValueError(
-                f"{self.prefix}: hidden_states has shape {tuple(hidden_states.shape)}, "
-                f"expected (tokens, {hidden})"
-            )
-        if hidden_states.dtype != torch.bfloat16:
-            raise TypeError(
-                f"{self.prefix}: hidden_states has dtype {hidden_states.dtype}, expected "
-                "torch.bfloat16"
-            )
+        """Routed plus gated shared-expert output (see ``MoEBlock.forward``)."""
+        check_hidden_states(self.prefix, hidden_states, self.config.hidden_size)
         join_shared = self.aux_stream.launch(lambda: self.shared_output(hidden_states))
         topk_weights, topk_ids = self.route(hidden_states)
         shared = join_shared()  # before the MegaMoE launch: it needs every SM
@@ -202,22 +121,6 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
         return (routed.float() + shared).to(torch.bfloat16)
 
     # -- loading ---------------------------------------------------------------------------
-
-    def wants(self, name: str) -> bool:
-        """Whether ``name`` (relative to the block prefix) concerns this rank.
-
-        Routed-expert tensors of experts on other ranks are not; fused expert tensors,
-        unparsable names (so that loading reports them) and dense tensors are.
-        """
-        head, _, rest = name.partition(".")
-        if head != EXPERTS:
-            return True
-        parsed = parse_expert_name(rest)
-        if parsed is None or parsed.expert is None:
-            return True
-        if parsed.expert >= self.config.num_experts:
-            return True
-        return bool(self.experts.map_global_expert_id(parsed.expert))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load tensors named relative to the block prefix, in any order and chunking.
@@ -257,19 +160,8 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
     def _load_dense(self, name: str, tensor: torch.Tensor) -> None:
         """Copy the router or the shared-expert gate, checking shape, dtype and values."""
         param = (self.gate if name == ROUTER else self.shared_expert_gate).weight
-        if tuple(tensor.shape) != tuple(param.shape):
-            raise ValueError(
-                f"{self.prefix}.{name} has shape {tuple(tensor.shape)}, expected "
-                f"{tuple(param.shape)} (out, hidden_size={self.config.hidden_size})"
-            )
-        if not tensor.is_floating_point() or tensor.element_size() < 2:
-            raise ValueError(
-                f"{self.prefix}.{name} has dtype {tensor.dtype}, expected bf16/fp16/fp32: "
-                "the router and shared-expert gate are not quantized"
-            )
-        if not torch.isfinite(tensor).all():
-            raise ValueError(f"{self.prefix}.{name} holds NaN or infinity; fix the checkpoint")
-        param.data.copy_(tensor)
+        note = f"out, hidden_size={self.config.hidden_size}"
+        load_dense_tensor(f"{self.prefix}.{name}", param, tensor, shape_note=note)
         self._dense_loaded.add(name)
 
     def finalize(self) -> None:
@@ -285,25 +177,3 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
             raise ValueError(f"{self.prefix}: never loaded: {', '.join(missing)}")
         self.shared_expert.check_loaded()
         self.experts.finalize()
-
-    def load_from_checkpoint(self, reader: CheckpointReader) -> None:
-        """Load this layer's router, shared expert, shared gate and local experts; finalize.
-
-        Only this rank's experts are read (each tensor on its own); the reader checks the
-        headers of what it reads first, and, opened with an adapter, that every local
-        expert's tensors are present before anything is loaded.
-
-        Args:
-            reader: the checkpoint.
-
-        Raises:
-            CheckpointError: missing, unreadable or mismatching tensors.
-            ValueError / IncompleteShardsError / MissingExpertsError: see ``load_weights``
-                and ``finalize``.
-        """
-        layer = next((m for m in reader.layers if m.prefix == self.prefix), None)
-        if layer is not None:
-            experts = range(self.config.num_experts)
-            reader.check_layer(layer, [e for e in experts if self.experts.map_global_expert_id(e)])
-        self.load_weights(reader.iter_tensors(self.prefix, keep=self.wants))
-        self.finalize()

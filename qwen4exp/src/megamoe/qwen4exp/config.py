@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megamoe.core.hf_config import SWIGLU_ACT, bool_key, int_key, is_int, object_key, swiglu_act
+
+MODEL_NAME = "Qwen4Exp"
 MODEL_TYPE = "qwen4_exp"
 ARCHITECTURE = "Qwen4ExpForCausalLM"
-SUPPORTED_ACT = "silu"  # the MegaMoE kernel fuses SwiGLU
 
 
 @dataclass(frozen=True)
@@ -18,18 +20,16 @@ class Qwen4ExpConfig:
     """The keys of a Qwen4Exp (Qwen3-Next style) ``config.json`` that its MoE blocks use.
 
     Attributes:
-        hidden_size: model width H.
-        num_experts: routed experts per MoE layer E.
-        num_experts_per_tok: experts each token is routed to (top-k).
-        moe_intermediate_size: routed expert width I.
+        num_experts: routed experts per MoE layer E (``num_routed_experts``).
         shared_expert_intermediate_size: shared expert width.
-        num_hidden_layers: decoder layers of the main model.
         norm_topk_prob: renormalize the top-k routing weights to sum to one.
         hidden_act: the experts' activation (``silu``: SwiGLU).
         decoder_sparse_step: every ``decoder_sparse_step``-th layer is an MoE layer.
         mlp_only_layers: layers that are dense MLPs regardless of the step.
-        num_nextn_predict_layers: layers of the MTP drafter (each an MoE layer).
-        quantization_config: the checkpoint's quantization config, None when unquantized.
+
+    Note:
+        The other fields are the ``megamoe.core.hf_config.MoEConfig`` ones
+        (``quantization_config`` is None when unquantized).
     """
 
     hidden_size: int
@@ -39,7 +39,7 @@ class Qwen4ExpConfig:
     shared_expert_intermediate_size: int
     num_hidden_layers: int
     norm_topk_prob: bool = True
-    hidden_act: str = SUPPORTED_ACT
+    hidden_act: str = SWIGLU_ACT
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     num_nextn_predict_layers: int = 0
@@ -47,13 +47,7 @@ class Qwen4ExpConfig:
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> Qwen4ExpConfig:
-        """Read and validate the keys from a ``config.json`` mapping.
-
-        Args:
-            config: the parsed ``config.json``.
-
-        Returns:
-            The validated config.
+        """Read and validate the keys from a ``config.json`` mapping (``MoEConfig.from_dict``).
 
         Raises:
             ValueError: a missing or invalid key; the message names the key, the value and
@@ -61,7 +55,7 @@ class Qwen4ExpConfig:
             NotImplementedError: ``hidden_act`` other than ``silu``.
         """
         sizes = {
-            key: _positive_int(config, key)
+            key: int_key(config, key, model=MODEL_NAME)
             for key in (
                 "hidden_size",
                 "num_experts",
@@ -73,42 +67,28 @@ class Qwen4ExpConfig:
         }
         if sizes["num_experts_per_tok"] > sizes["num_experts"]:
             raise ValueError(
-                f"config num_experts_per_tok={sizes['num_experts_per_tok']} exceeds "
+                f"config.json: num_experts_per_tok={sizes['num_experts_per_tok']} exceeds "
                 f"num_experts={sizes['num_experts']}; a token cannot pick more experts than exist"
             )
-        norm = config.get("norm_topk_prob", True)
-        if not isinstance(norm, bool):
-            raise ValueError(f"config norm_topk_prob must be true or false, got {norm!r}")
-        act = config.get("hidden_act", SUPPORTED_ACT)
-        if act != SUPPORTED_ACT:
-            raise NotImplementedError(
-                f"config hidden_act={act!r} is not supported; MegaMoE fuses SwiGLU, so the "
-                f"experts must use hidden_act={SUPPORTED_ACT!r}"
-            )
-        step = _positive_int(config, "decoder_sparse_step", default=1)
         mlp_only = config.get("mlp_only_layers") or []
         num_layers = sizes["num_hidden_layers"]
         if not isinstance(mlp_only, list | tuple) or not all(
-            _is_int(i) and 0 <= i < num_layers for i in mlp_only
+            is_int(i) and 0 <= i < num_layers for i in mlp_only
         ):
             raise ValueError(
-                f"config mlp_only_layers={mlp_only!r} must list layer indices in "
+                f"config.json: mlp_only_layers={mlp_only!r} must list layer indices in "
                 f"[0, num_hidden_layers={num_layers})"
-            )
-        mtp = _non_negative_int(config, "num_nextn_predict_layers")
-        quant = config.get("quantization_config")
-        if quant is not None and not isinstance(quant, Mapping):
-            raise ValueError(
-                f"config quantization_config must be an object, got {type(quant).__name__}"
             )
         return cls(
             **sizes,
-            norm_topk_prob=norm,
-            hidden_act=act,
-            decoder_sparse_step=step,
+            norm_topk_prob=bool_key(config, "norm_topk_prob", default=True),
+            hidden_act=swiglu_act(config),
+            decoder_sparse_step=int_key(config, "decoder_sparse_step", model=MODEL_NAME, default=1),
             mlp_only_layers=tuple(sorted(set(mlp_only))),
-            num_nextn_predict_layers=mtp,
-            quantization_config=quant or None,
+            num_nextn_predict_layers=int_key(
+                config, "num_nextn_predict_layers", model=MODEL_NAME, default=0, minimum=0
+            ),
+            quantization_config=object_key(config, "quantization_config") or None,
         )
 
     @classmethod
@@ -130,30 +110,11 @@ class Qwen4ExpConfig:
             raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
         return cls.from_dict(data)
 
+    @property
+    def num_routed_experts(self) -> int:
+        """Routed experts per MoE layer (``num_experts``)."""
+        return self.num_experts
+
     def is_moe_layer(self, index: int) -> bool:
         """Whether main-model layer ``index`` is a sparse MoE layer (Qwen3-Next rule)."""
         return index not in self.mlp_only_layers and (index + 1) % self.decoder_sparse_step == 0
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _positive_int(config: Mapping[str, Any], key: str, default: int | None = None) -> int:
-    """``config[key]`` as an int > 0 (``default`` when absent and one is given)."""
-    if key not in config and default is not None:
-        return default
-    if key not in config:
-        raise ValueError(f"config has no {key!r}; a Qwen4Exp config.json needs it")
-    value = config[key]
-    if not _is_int(value) or value <= 0:
-        raise ValueError(f"config {key}={value!r} must be a positive integer")
-    return int(value)
-
-
-def _non_negative_int(config: Mapping[str, Any], key: str) -> int:
-    """``config[key]`` as an int >= 0, 0 when absent or null."""
-    value = config.get(key) or 0
-    if not _is_int(value) or value < 0:
-        raise ValueError(f"config {key}={value!r} must be a non-negative integer")
-    return int(value)

@@ -19,6 +19,7 @@ from megamoe.core.quant_config import detect_expert_format
 from megamoe.qwen4exp.config import Qwen4ExpConfig
 
 if TYPE_CHECKING:
+    from megamoe.core.adapters import MoELayer
     from megamoe.core.checkpoint import CheckpointReader
 
 _PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -41,9 +42,9 @@ def _swiglu(
 
 
 def reference_forward(
-    reader: CheckpointReader, prefix: str, hidden_states: torch.Tensor
+    reader: CheckpointReader, layer: MoELayer, hidden_states: torch.Tensor
 ) -> torch.Tensor:
-    """The MoE layer at ``prefix`` applied to ``hidden_states``, in float64 on the CPU.
+    """The MoE layer ``layer`` applied to ``hidden_states``, in float64 on the CPU.
 
     Router softmax over all experts, top-k, renormalized when ``norm_topk_prob``; every
     selected expert's SwiGLU output weighted and summed; plus the shared expert times
@@ -51,12 +52,13 @@ def reference_forward(
 
     Args:
         reader: the checkpoint.
-        prefix: the block prefix, e.g. ``model.layers.0.mlp``.
+        layer: the MoE layer (one of ``reader.layers``).
         hidden_states: (tokens, hidden_size), any float dtype.
 
     Returns:
         (tokens, hidden_size) float64.
     """
+    prefix = layer.prefix
     cfg = Qwen4ExpConfig.from_dict(reader.config)
     names = set(reader.tensor_names())
     quant_config = cfg.quantization_config

@@ -1,0 +1,142 @@
+"""Model configs from Hugging Face ``config.json``: typed key reads and what core reads.
+
+Adapters parse their model's config with the ``*_key`` readers, so that every missing or
+invalid key is reported the same way: ``config.json: <key>=<value> must be <rule>``. A key
+set to ``null`` counts as absent. The parsed config is the adapter's own class; core reads
+it through ``MoEConfig``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol, Self
+
+SWIGLU_ACT = "silu"  # MegaMoE fuses SwiGLU: gate activation silu
+
+
+class MoEConfig(Protocol):
+    """What core reads from an adapter's parsed model config (layers and expert sizes)."""
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any]) -> Self:
+        """Read and validate the keys of a parsed ``config.json``.
+
+        Raises:
+            ValueError: a missing or invalid key, named with its value and the rule.
+            NotImplementedError: a setting megamoe cannot run (named).
+        """
+
+    @property
+    def hidden_size(self) -> int:
+        """Model width H."""
+
+    @property
+    def moe_intermediate_size(self) -> int:
+        """Width I of one routed expert's MLP."""
+
+    @property
+    def num_routed_experts(self) -> int:
+        """Routed experts per MoE layer."""
+
+    @property
+    def num_experts_per_tok(self) -> int:
+        """Experts each token is routed to (top-k)."""
+
+    @property
+    def num_hidden_layers(self) -> int:
+        """Decoder layers of the main model."""
+
+    @property
+    def num_nextn_predict_layers(self) -> int:
+        """Layers of the MTP drafter, each an MoE layer."""
+
+    @property
+    def quantization_config(self) -> Mapping[str, Any] | None:
+        """The checkpoint's ``quantization_config``, None when unquantized."""
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether main-model decoder layer ``index`` has an MoE block."""
+
+
+def is_int(value: object) -> bool:
+    """Whether ``value`` is an integer (``bool`` is not)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def int_key(
+    config: Mapping[str, Any],
+    key: str,
+    *,
+    model: str,
+    default: int | None = None,
+    minimum: int = 1,
+) -> int:
+    """``config[key]`` as an integer ``>= minimum``.
+
+    Args:
+        config: the parsed ``config.json``.
+        key: the key to read.
+        model: model name for the message when the key is missing.
+        default: the value when the key is absent or null; None makes it required.
+        minimum: the smallest valid value.
+
+    Returns:
+        The value.
+
+    Raises:
+        ValueError: the key is required and absent, or not an integer ``>= minimum``.
+    """
+    value = config.get(key)
+    if value is None:
+        if default is None:
+            raise ValueError(f"config.json: {key!r} is missing; a {model} config sets it")
+        return default
+    if not is_int(value) or value < minimum:
+        raise ValueError(
+            f"config.json: {key}={value!r} must be an integer >= {minimum}; fix the config"
+        )
+    return int(value)
+
+
+def bool_key(config: Mapping[str, Any], key: str, *, default: bool) -> bool:
+    """``config[key]`` as a boolean, ``default`` when absent or null.
+
+    Raises:
+        ValueError: the value is not ``true`` or ``false``.
+    """
+    value = config.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"config.json: {key}={value!r} must be true or false")
+    return value
+
+
+def object_key(config: Mapping[str, Any], key: str) -> Mapping[str, Any] | None:
+    """``config[key]`` as a JSON object, None when absent or null.
+
+    Raises:
+        ValueError: the value is not an object.
+    """
+    value = config.get(key)
+    if value is not None and not isinstance(value, Mapping):
+        raise ValueError(
+            f"config.json: {key}={value!r} must be an object (or absent), got "
+            f"{type(value).__name__}"
+        )
+    return value
+
+
+def swiglu_act(config: Mapping[str, Any]) -> str:
+    """``hidden_act`` (``silu`` when absent), refused unless it is the SwiGLU MegaMoE fuses.
+
+    Raises:
+        NotImplementedError: any other activation.
+    """
+    act = config.get("hidden_act", SWIGLU_ACT)
+    if act != SWIGLU_ACT:
+        raise NotImplementedError(
+            f"config.json: hidden_act={act!r} is not supported; MegaMoE fuses SwiGLU, so the "
+            f"experts must use hidden_act={SWIGLU_ACT!r}"
+        )
+    return SWIGLU_ACT
