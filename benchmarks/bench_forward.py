@@ -16,15 +16,22 @@ has it).
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 
+from harness import (
+    add_shape_args,
+    copy_bytes_per_s,
+    cuda_median_ms,
+    format_table,
+    one_rank_experts,
+    write_json,
+)
 from megamoe.core import quant
+from megamoe.core.bitcheck import relative_error
 from megamoe.core.experts import MegaMoEExperts
 from megamoe.core.formats import WeightFormat
 
@@ -32,12 +39,9 @@ FMT = WeightFormat.FP8_BLOCK
 BACKENDS = ("deepgemm", "reference", "naive", "grouped")
 
 
-def parse() -> argparse.Namespace:
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--intermediate", type=int, default=1536)
+    add_shape_args(p, experts=64)
     p.add_argument("--tokens", default="1,16,128,256,1024,4096")
     p.add_argument("--backends", default=",".join(BACKENDS))
     p.add_argument("--iters", type=int, default=20)
@@ -45,30 +49,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--peak-tflops-fp8", type=float, default=1979.0, help="H200 dense FP8")
     p.add_argument("--peak-tflops-bf16", type=float, default=989.0, help="H200 dense BF16")
     p.add_argument("--json", default="bench_forward.json")
-    return p.parse_args()
-
-
-def time_us(fn: Callable[[], object], iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
-def copy_bandwidth() -> float:
-    """HBM bytes (read + written) per second of a 1 GiB device-to-device copy."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    us = time_us(lambda: dst.copy_(src), iters=10, warmup=2)
-    return 2 * src.nbytes / (us * 1e-6)
+    return p.parse_args(argv)
 
 
 def checkpoint(e: int, h: int, i: int) -> dict[str, torch.Tensor]:
@@ -140,30 +121,17 @@ def grouped(
     return torch.zeros(x.shape, device=x.device).index_add_(0, token, y).to(torch.bfloat16)
 
 
-def main() -> None:
-    args = parse()
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse(argv)
     e, k, h, i = args.experts, args.top_k, args.hidden, args.intermediate
     token_counts = [int(t) for t in args.tokens.split(",")]
     wanted = args.backends.split(",")
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bytes_per_s(2 << 30, warmup=2, reps=10)  # a 1 GiB copy
     tensors = checkpoint(e, h, i)
     layers: dict[str, MegaMoEExperts] = {}
     for backend in ("deepgemm", "reference"):
         if backend in wanted:
-            layer = MegaMoEExperts(
-                num_experts=e,
-                num_local_experts=e,
-                experts_start_idx=0,
-                num_logical_experts=e,
-                top_k=k,
-                hidden_size=h,
-                intermediate_size=i,
-                weight_format=FMT,
-                checkpoint_format=FMT,
-                max_num_tokens=max(token_counts),
-                backend=backend,
-                device="cuda",
-            )
+            layer = one_rank_experts((e, h, i), k, FMT, FMT, backend, max(token_counts))
             layer.load_weights(tensors.items())
             layer.finalize()
             layers[backend] = layer
@@ -190,15 +158,13 @@ def main() -> None:
         baseline = runs["naive"]() if "naive" in runs else None
         for name, fn in runs.items():
             slow = name in ("reference", "naive")
-            us = time_us(fn, max(3, args.iters // 4) if slow else args.iters, args.warmup)
+            reps = max(3, args.iters // 4) if slow else args.iters
+            us = 1e3 * cuda_median_ms(fn, args.warmup, reps)
             fp8 = name == "deepgemm"
             weight_bytes = active * (fp8_expert_bytes if fp8 else 2 * 3 * h * i)
             peak = (args.peak_tflops_fp8 if fp8 else args.peak_tflops_bf16) * 1e12
             floor_us = max(weight_bytes / bandwidth, flops / peak) * 1e6
-            agreement = None
-            if baseline is not None:
-                y = fn()
-                agreement = float((y.float() - baseline.float()).norm() / baseline.float().norm())
+            agreement = None if baseline is None else relative_error(fn(), baseline)
             rows.append(
                 dict(
                     tokens=tokens,
@@ -212,15 +178,26 @@ def main() -> None:
                 )
             )
     print(f"E={e} top-{k} H={h} I={i}; HBM copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    header = ("tokens", "backend", "median us", "floor us", "% of floor", "rel vs naive")
-    print(" ".join(f"{h:>{w}}" for h, w in zip(header, (6, 10, 11, 9, 10, 12), strict=True)))
-    for r in rows:
-        rel = "-" if r["rel_vs_naive"] is None else f"{r['rel_vs_naive']:.3g}"
-        share = 100 * r["floor_us"] / r["median_us"]
-        print(
-            f"{r['tokens']:>6} {r['backend']:>10} {r['median_us']:>11.1f} "
-            f"{r['floor_us']:>9.1f} {share:>9.1f}% {rel:>12}"
+    columns = (
+        ("tokens", ">6"),
+        ("backend", ">10"),
+        ("median us", ">11.1f"),
+        ("floor us", ">9.1f"),
+        ("% of floor", ">10.1f"),
+        ("rel vs naive", ">12.3g"),
+    )
+    cells = [
+        (
+            r["tokens"],
+            r["backend"],
+            r["median_us"],
+            r["floor_us"],
+            100 * r["floor_us"] / r["median_us"],
+            r["rel_vs_naive"],
         )
+        for r in rows
+    ]
+    print(format_table(columns, cells))
     config = dict(
         experts=e,
         top_k=k,
@@ -231,9 +208,7 @@ def main() -> None:
         peak_tflops_bf16=args.peak_tflops_bf16,
         grouped_mm=has_grouped,
     )
-    with open(args.json, "w") as f:
-        json.dump({"config": config, "rows": rows}, f, indent=1)
-    print(f"wrote {args.json}")
+    write_json(args.json, {"config": config, "rows": rows})
 
 
 if __name__ == "__main__":

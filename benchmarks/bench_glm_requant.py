@@ -24,10 +24,12 @@ import json
 import statistics
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 
+from harness import format_table, write_json
 from megamoe.glm5next import Glm5NextMegaMoEExperts
 
 NUM_EXPERTS, HIDDEN, INTERMEDIATE = 64, 4096, 1536
@@ -49,6 +51,19 @@ class Row:
     process_cpu_seconds: float
     bytes_moved: int
     gb_per_s: float
+
+
+COLUMNS = (
+    ("device", "<8"),
+    ("E", ">3"),
+    ("H", ">5"),
+    ("I", ">5"),
+    ("chunk", ">5"),
+    ("runs", ">4"),
+    ("seconds", ">9.3f"),
+    ("cpu s", ">9.3f"),
+    ("GB/s", ">7.2f"),
+)
 
 
 def shard(rows: int, cols: int, expert: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,13 +151,13 @@ def run(device: str, chunk: int, reps: int) -> Row:
     )  # fmt: skip
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--devices", default="auto", help="cpu,cuda or auto (cpu + cuda if any)")
     parser.add_argument("--chunks", default="8", help="comma-separated chunk sizes (experts)")
     parser.add_argument("--reps", type=int, default=5, help="timed runs on CUDA (CPU: 1)")
     parser.add_argument("--json", default=None, help="also write the JSON here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     devices = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
     if args.devices != "auto":
         devices = args.devices.split(",")
@@ -152,13 +167,21 @@ def main() -> None:
         for device in devices
         for chunk in args.chunks.split(",")
     ]
-    header = ("device", "E", "H", "I", "chunk", "runs", "seconds", "cpu s", "GB/s")
-    print("{:8} {:>3} {:>5} {:>5} {:>5} {:>4} {:>9} {:>9} {:>7}".format(*header))
-    for r in rows:
-        print(
-            f"{r.device:8} {r.experts:>3} {r.hidden:>5} {r.intermediate:>5} {r.chunk:>5} "
-            f"{r.runs:>4} {r.seconds:>9.3f} {r.process_cpu_seconds:>9.3f} {r.gb_per_s:>7.2f}"
+    cells = [
+        (
+            r.device,
+            r.experts,
+            r.hidden,
+            r.intermediate,
+            r.chunk,
+            r.runs,
+            r.seconds,
+            r.process_cpu_seconds,
+            r.gb_per_s,
         )
+        for r in rows
+    ]
+    print(format_table(COLUMNS, cells))
     result = {
         "benchmark": "glm5next requantize_block_fp8 (block-FP8 -> MXFP8 in place)",
         "torch": torch.__version__,
@@ -166,11 +189,9 @@ def main() -> None:
         "cuda_device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "rows": [asdict(r) for r in rows],
     }
-    text = json.dumps(result, indent=2)
-    print(text)
+    print(json.dumps(result, indent=2))
     if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+        write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -23,15 +23,19 @@ The DeepGEMM layout transform (gate/up rows interleaved in groups of 8, as
 over the loaded layer: a torch permutation copy, and DeepGEMM's own function when
 ``deep_gemm`` imports.
 
+With ``--device cpu`` every path runs on the CPU (no GPU needed): the plain read copies
+each tensor once in memory, the streamed path converts with the torch requantization, and
+peak memory is not measured.
+
 Usage::
 
     python benchmarks/bench_load.py --experts 32 --hidden 4096 --intermediate 1536 --json load.json
+    python benchmarks/bench_load.py --device cpu --hidden 2048 --intermediate 768
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -47,8 +51,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_requant import model_like_bf16, time_ms
+from harness import (
+    add_shape_args,
+    cuda_median_ms,
+    format_table,
+    model_like_bf16,
+    one_rank_experts,
+    parse_format_pairs,
+    write_json,
+)
 from megamoe.core import quant
 from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
 
@@ -70,7 +81,7 @@ class LoadRow:
     megamoe_peak_ratio: float | None
     megamoe_error: str | None
     streamed_s: float
-    streamed_peak_ratio: float
+    streamed_peak_ratio: float | None
     transform_ms: float
     transform_deep_gemm_ms: float | None
     interleave_equals_deep_gemm: bool | None
@@ -81,12 +92,12 @@ class LoadRow:
 
 
 def write_checkpoint(
-    root: Path, fmt: WeightFormat, shape: tuple[int, int, int], per_file: int
+    root: Path, fmt: WeightFormat, shape: tuple[int, int, int], per_file: int, device: str
 ) -> list[Path]:
     """One layer's experts in ``fmt``, ``per_file`` experts per safetensors file."""
     experts, hidden, inter = shape
-    gate_up = model_like_bf16((experts, 2 * inter, hidden), seed=1)
-    down = model_like_bf16((experts, hidden, inter), seed=2)
+    gate_up = model_like_bf16((experts, 2 * inter, hidden), seed=1, device=device)
+    down = model_like_bf16((experts, hidden, inter), seed=2, device=device)
     files = []
     for first in range(0, experts, per_file):
         tensors: dict[str, torch.Tensor] = {}
@@ -117,40 +128,33 @@ def stream(files: Sequence[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def plain_read(files: Sequence[Path]) -> None:
+def sync(device: str) -> None:
+    """Wait for the device's queued work (nothing to wait for on the CPU)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def plain_read(files: Sequence[Path], device: str) -> None:
     for _, tensor in stream(files):
-        tensor.to("cuda")
-    torch.cuda.synchronize()
+        tensor.to(device, copy=True)  # on the CPU too: one copy of the bytes
+    sync(device)
 
 
-def load_megamoe(files: Sequence[Path], ckpt: WeightFormat, run: WeightFormat, shape: Any) -> int:
+def load_megamoe(
+    files: Sequence[Path], ckpt: WeightFormat, run: WeightFormat, shape: Any, device: str
+) -> int:
     """The product's path; returns the final kernel weights' bytes."""
-    from megamoe.core.experts import MegaMoEExperts
-
-    experts, hidden, inter = shape
-    module = MegaMoEExperts(
-        num_experts=experts,
-        num_local_experts=experts,
-        experts_start_idx=0,
-        num_logical_experts=experts,
-        top_k=8,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        weight_format=run,
-        checkpoint_format=ckpt,
-        backend="reference",
-        device="cuda",
-    )
+    module = one_rank_experts(shape, 8, run, ckpt, "reference", device=device)
     module.load_weights(stream(files))
     module.finalize()
-    torch.cuda.synchronize()
+    sync(device)
     return sum(p.numel() * p.element_size() for p in module.kernel_params.values())
 
 
-def _kernel_tensors(run: WeightFormat, shape: Any) -> dict[str, torch.Tensor]:
-    """Uninitialized canonical kernel tensors (w13 gate rows then up rows, w2) on the GPU."""
+def _kernel_tensors(run: WeightFormat, shape: Any, dev: str) -> dict[str, torch.Tensor]:
+    """Uninitialized canonical kernel tensors (w13 gate rows then up rows, w2) on ``dev``."""
     experts, hidden, inter = shape
-    per, dev, u8 = run.values_per_byte, "cuda", torch.uint8
+    per, u8 = run.values_per_byte, torch.uint8
     tensors = {
         "w13": torch.empty(
             (experts, 2 * inter, hidden // per), dtype=run.element_dtype, device=dev
@@ -167,12 +171,17 @@ def _kernel_tensors(run: WeightFormat, shape: Any) -> dict[str, torch.Tensor]:
 
 
 def load_streamed(
-    files: Sequence[Path], ckpt: WeightFormat, run: WeightFormat, shape: Any, chunk: int
+    files: Sequence[Path],
+    ckpt: WeightFormat,
+    run: WeightFormat,
+    shape: Any,
+    chunk: int,
+    device: str,
 ) -> dict[str, torch.Tensor]:
     """Stage ``chunk`` experts on the GPU, requantize each group in one launch, into place."""
     experts, hidden, inter = shape
-    final = _kernel_tensors(run, shape)
-    staged = _kernel_tensors(ckpt, (chunk, hidden, inter))
+    final = _kernel_tensors(run, shape, device)
+    staged = _kernel_tensors(ckpt, (chunk, hidden, inter), device)
     flags: list[torch.Tensor] = []
     with ExitStack() as stack:
         handles = [
@@ -187,7 +196,7 @@ def load_streamed(
             _convert_chunk(staged, final, ckpt, run, first, count, flags)
     if flags and int(torch.stack(flags).sum().item()) != 0:
         raise RuntimeError("non-finite checkpoint values")
-    torch.cuda.synchronize()
+    sync(device)
     return final
 
 
@@ -200,9 +209,11 @@ def _convert_chunk(
     count: int,
     flags: list[torch.Tensor],
 ) -> None:
-    """Write ``count`` staged experts into ``final`` from expert ``first`` on."""
-    from megamoe.core.kernels.requant_triton import requantize_triton_async
+    """Write ``count`` staged experts into ``final`` from expert ``first`` on.
 
+    On the GPU one Triton launch per group, straight into ``final``; on the CPU the torch
+    requantization (it raises on non-finite input itself), then a copy into ``final``.
+    """
     for stem in ("w13", "w2"):
         weight = staged[stem][:count]
         scale = staged.get(f"{stem}_scale")
@@ -214,7 +225,14 @@ def _convert_chunk(
             if scale is not None:
                 out_s.copy_(scale)
             continue
-        flags.append(requantize_triton_async(weight, scale, ckpt, run, out=(out_w, out_s))[2])
+        if weight.is_cuda:
+            from megamoe.core.kernels.requant_triton import requantize_triton_async
+
+            flags.append(requantize_triton_async(weight, scale, ckpt, run, out=(out_w, out_s))[2])
+            continue
+        new_weight, new_scale = quant.requantize(weight, scale, ckpt, run)
+        out_w.copy_(new_weight)
+        out_s.copy_(new_scale)
 
 
 def _stage(
@@ -247,7 +265,12 @@ def interleave_gate_up(w13: torch.Tensor) -> torch.Tensor:
     return w13.view(e, 2, groups, INTERLEAVE_ROWS, k).transpose(1, 2).reshape(e, n, k)
 
 
-def peak_ratio(fn: Callable[[], Any], final_bytes: Callable[[Any], int]) -> tuple[float, Any]:
+def peak_ratio(
+    fn: Callable[[], Any], final_bytes: Callable[[Any], int], device: str
+) -> tuple[float | None, Any]:
+    """Peak allocated device bytes while ``fn`` runs over its final bytes (None on the CPU)."""
+    if device != "cuda":
+        return None, fn()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
@@ -257,11 +280,11 @@ def peak_ratio(fn: Callable[[], Any], final_bytes: Callable[[Any], int]) -> tupl
     return peak / final_bytes(result), result
 
 
-def median_seconds(fn: Callable[[], Any], reps: int) -> float:
+def median_seconds(fn: Callable[[], Any], reps: int, device: str) -> float:
     fn()  # warm: page cache, kernel compilation, allocator
     times = []
     for _ in range(reps):
-        torch.cuda.synchronize()
+        sync(device)
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
@@ -275,32 +298,40 @@ def bench(
     args: argparse.Namespace,
 ) -> LoadRow:
     ckpt, run = pair
-    disk = sum(p.stat().st_size for p in files)
-    plain = median_seconds(lambda: plain_read(files), args.reps)
+    dev, disk = args.device, sum(p.stat().st_size for p in files)
+    plain = median_seconds(lambda: plain_read(files, dev), args.reps, dev)
 
     def streamed() -> dict[str, torch.Tensor]:
-        return load_streamed(files, ckpt, run, shape, args.chunk)
+        return load_streamed(files, ckpt, run, shape, args.chunk, dev)
 
-    streamed_s = median_seconds(streamed, args.reps)
+    def megamoe() -> int:
+        return load_megamoe(files, ckpt, run, shape, dev)
+
+    streamed_s = median_seconds(streamed, args.reps, dev)
     ratio, final = peak_ratio(
-        streamed, lambda t: sum(x.numel() * x.element_size() for x in t.values())
+        streamed, lambda t: sum(x.numel() * x.element_size() for x in t.values()), dev
     )
     final_bytes = sum(x.numel() * x.element_size() for x in final.values())
     megamoe_s = megamoe_ratio = error = None
     try:
-        megamoe_s = median_seconds(lambda: load_megamoe(files, ckpt, run, shape), args.reps)
-        megamoe_ratio, _ = peak_ratio(lambda: load_megamoe(files, ckpt, run, shape), lambda b: b)
+        megamoe_s = median_seconds(megamoe, args.reps, dev)
+        megamoe_ratio, _ = peak_ratio(megamoe, lambda b: b, dev)
     except Exception as exc:  # report the product path's failure beside the numbers
         error = f"{type(exc).__name__}: {exc}"[:300]
     w13 = final["w13"]
-    transform_ms = time_ms(lambda: interleave_gate_up(w13), 2, 10)
+    if dev == "cuda":
+        transform_ms = cuda_median_ms(lambda: interleave_gate_up(w13), 2, 10)
+    else:
+        transform_ms = 1e3 * median_seconds(lambda: interleave_gate_up(w13), 5, dev)
     dg_ms = same = None
-    if run is W.FP8_BLOCK:
+    if run is W.FP8_BLOCK and dev == "cuda":
         try:
             import deep_gemm
 
             pieces = ((w13, final["w13_scale"]), (final["w2"], final["w2_scale"]))
-            dg_ms = time_ms(lambda: deep_gemm.transform_weights_for_mega_moe_sm90(*pieces), 2, 10)
+            dg_ms = cuda_median_ms(
+                lambda: deep_gemm.transform_weights_for_mega_moe_sm90(*pieces), 2, 10
+            )
             (dg_w13, _), _ = deep_gemm.transform_weights_for_mega_moe_sm90(*pieces)
             same = torch.equal(dg_w13.view(torch.uint8), interleave_gate_up(w13).view(torch.uint8))
         except Exception:  # deep_gemm missing or unable to run here
@@ -321,51 +352,64 @@ def bench(
     )
 
 
-def format_table(rows: Sequence[LoadRow]) -> str:
-    head = (
-        f"{'ckpt->run':<20} {'disk MB':>8} {'plain s':>8} {'GB/s':>6} | {'megamoe s':>9} "
-        f"{'ratio':>6} {'peak':>5} | {'streamed s':>10} {'ratio':>6} {'peak':>5} | "
-        f"{'interleave ms':>13} {'% load':>6} {'deep_gemm ms':>12}"
-    )
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        mm = "-" if r.megamoe_s is None else f"{r.megamoe_s:.3f}"
-        mm_ratio = "-" if r.megamoe_s is None else f"{r.megamoe_s / r.plain_s:.2f}"
-        mm_peak = "-" if r.megamoe_peak_ratio is None else f"{r.megamoe_peak_ratio:.2f}"
-        dg = "-" if r.transform_deep_gemm_ms is None else f"{r.transform_deep_gemm_ms:.3f}"
-        lines.append(
-            f"{r.conversion:<20} {r.disk_bytes / 1e6:>8.0f} {r.plain_s:>8.3f} "
-            f"{r.plain_gbs:>6.2f} | {mm:>9} {mm_ratio:>6} {mm_peak:>5} | "
-            f"{r.streamed_s:>10.3f} {r.streamed_s / r.plain_s:>6.2f} "
-            f"{r.streamed_peak_ratio:>5.2f} | {r.transform_ms:>13.3f} "
-            f"{100 * r.transform_ms / 1e3 / r.streamed_s:>5.2f}% {dg:>12}"
+COLUMNS = (
+    ("ckpt->run", "<20"),
+    ("disk MB", ">8.0f"),
+    ("plain s", ">8.3f"),
+    ("GB/s", ">6.2f"),
+    ("megamoe s", ">9.3f"),
+    ("mm ratio", ">6.2f"),
+    ("mm peak", ">5.2f"),
+    ("streamed s", ">10.3f"),
+    ("st ratio", ">6.2f"),
+    ("st peak", ">5.2f"),
+    ("interleave ms", ">13.3f"),
+    ("% load", ">6.2f"),
+    ("deep_gemm ms", ">12.3f"),
+)
+
+
+def table(rows: Sequence[LoadRow]) -> str:
+    lines = [
+        (
+            r.conversion,
+            r.disk_bytes / 1e6,
+            r.plain_s,
+            r.plain_gbs,
+            r.megamoe_s,
+            None if r.megamoe_s is None else r.megamoe_s / r.plain_s,
+            r.megamoe_peak_ratio,
+            r.streamed_s,
+            r.streamed_s / r.plain_s,
+            r.streamed_peak_ratio,
+            r.transform_ms,
+            100 * r.transform_ms / 1e3 / r.streamed_s,
+            r.transform_deep_gemm_ms,
         )
+        for r in rows
+    ]
     errors = [
         f"  {r.conversion}: megamoe path failed: {r.megamoe_error}" for r in rows if r.megamoe_error
     ]
-    return "\n".join(lines + errors)
+    return "\n".join([format_table(COLUMNS, lines), *errors])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--experts", type=int, default=32)
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--intermediate", type=int, default=1536)
+    add_shape_args(parser, experts=32, top_k=False)
     parser.add_argument("--pairs", default=DEFAULT_PAIRS, help="ckpt:run,... (format values)")
     parser.add_argument("--per-file", type=int, default=8, help="experts per safetensors file")
     parser.add_argument("--chunk", type=int, default=4, help="experts staged on the GPU at once")
     parser.add_argument("--reps", type=int, default=3, help="timed loads per path (median)")
     parser.add_argument("--dir", default=None, help="where to write checkpoints (default: temp)")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_load: needs a CUDA device", file=sys.stderr)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_load: needs a CUDA device (or pass --device cpu)", file=sys.stderr)
         return 2
     shape = (args.experts, args.hidden, args.intermediate)
-    pairs = []
-    for item in args.pairs.split(","):
-        src, _, dst = item.partition(":")
-        pairs.append((W.parse(src), W.parse(dst)))
+    pairs = parse_format_pairs(args.pairs)
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bench_load_"))
     root.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -373,24 +417,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         checkpoints: dict[WeightFormat, list[Path]] = {}
         for ckpt, run in pairs:
             if ckpt not in checkpoints:
-                checkpoints[ckpt] = write_checkpoint(root, ckpt, shape, args.per_file)
+                checkpoints[ckpt] = write_checkpoint(root, ckpt, shape, args.per_file, args.device)
             rows.append(bench((ckpt, run), checkpoints[ckpt], shape, args))
-            print(format_table(rows[-1:]).splitlines()[2], flush=True)
+            print(table(rows[-1:]).splitlines()[2], flush=True)
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
     print()
     print(f"layer: {args.experts} experts, hidden {args.hidden}, intermediate {args.intermediate}")
-    print(format_table(rows))
+    print(table(rows))
     if args.json:
         report = {
-            "device": torch.cuda.get_device_name(),
+            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "shape": {"experts": args.experts, "hidden": args.hidden, "inter": args.intermediate},
             "block": list(BLOCK_FP8_DEFAULT),
             "rows": [asdict(r) | {"plain_gbs": r.plain_gbs} for r in rows],
         }
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(args.json, report)
     return 0
 
 

@@ -15,12 +15,11 @@ Weights are random block-FP8 (the Hopper kernel's format) made on the GPU: no ch
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from harness import add_shape_args, cuda_median_ms, format_table, write_json
 from megamoe.core import quant
 from megamoe.core.backends.symm_buffer import resolve_group
 from megamoe.core.parallel import ParallelSettings
@@ -28,14 +27,22 @@ from megamoe.core.shared_expert import AuxStream
 from megamoe.qwen4exp import Qwen4ExpMegaMoeBlock
 
 PREFIX = "model.layers.0.mlp"
+# The table: (title, format, key of a measure() row).
+COLUMNS = (
+    ("tokens", ">9.0f", "tokens"),
+    ("aux us", ">9.1f", "block_aux_us"),
+    ("serial us", ">9.1f", "block_serial_us"),
+    ("saved us", ">9.1f", "saved_us"),
+    ("overlap", ">9.2f", "overlap"),
+    ("router", ">9.1f", "router_us"),
+    ("shared", ">9.1f", "shared_us"),
+    ("experts", ">9.1f", "experts_us"),
+)
 
 
-def parse() -> argparse.Namespace:
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--intermediate", type=int, default=1536)
+    add_shape_args(p, experts=64)
     # Qwen MoE models give the shared expert about four routed experts' width.
     p.add_argument("--shared-intermediate", type=int, default=6144)
     p.add_argument("--tokens", default="256,1024")
@@ -43,22 +50,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--json", default="bench_qwen4exp_block.json")
-    return p.parse_args()
-
-
-def time_us(fn: Callable[[], object], iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return p.parse_args(argv)
 
 
 def config(args: argparse.Namespace) -> dict[str, object]:
@@ -119,7 +111,7 @@ def measure(block: Qwen4ExpMegaMoeBlock, count: int, args: argparse.Namespace) -
         return block(x)
 
     def time(fn: Callable[[], object]) -> float:
-        return time_us(fn, args.iters, args.warmup)
+        return 1e3 * cuda_median_ms(fn, args.warmup, args.iters)
 
     row = {
         "tokens": float(count),
@@ -136,8 +128,8 @@ def measure(block: Qwen4ExpMegaMoeBlock, count: int, args: argparse.Namespace) -
     return row
 
 
-def main() -> None:
-    args = parse()
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse(argv)
     torch.cuda.set_device(0)
     device = torch.device("cuda", 0)
     counts = [int(t) for t in args.tokens.split(",")]
@@ -158,16 +150,9 @@ def main() -> None:
         f"backend {experts.backend.name}"
     )
     rows = [measure(block, count, args) for count in counts]
-    header = ("tokens", "aux us", "serial us", "saved us", "overlap", "router", "shared", "experts")
-    print("  ".join(f"{h:>9}" for h in header))
-    for r in rows:
-        print(
-            f"{int(r['tokens']):>9}  {r['block_aux_us']:>9.1f}  {r['block_serial_us']:>9.1f}  "
-            f"{r['saved_us']:>9.1f}  {r['overlap']:>9.2f}  {r['router_us']:>9.1f}  "
-            f"{r['shared_us']:>9.1f}  {r['experts_us']:>9.1f}"
-        )
-    with open(args.json, "w") as f:
-        json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+    cells = [[r[key] for _, _, key in COLUMNS] for r in rows]
+    print(format_table([(title, spec) for title, spec, _ in COLUMNS], cells))
+    write_json(args.json, {"args": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":

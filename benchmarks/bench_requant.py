@@ -20,30 +20,27 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
+from harness import (
+    copy_bytes_per_s,
+    cuda_median_ms,
+    format_table,
+    model_like_bf16,
+    parse_format_pairs,
+    write_json,
+)
 from megamoe.core import quant
 from megamoe.core.formats import WeightFormat
 
 W = WeightFormat
-PAIRS = (
-    (W.FP8_BLOCK, W.MXFP8),
-    (W.FP8_BLOCK, W.MXFP4),
-    (W.BF16, W.MXFP8),
-    (W.BF16, W.MXFP4),
-    (W.MXFP4, W.MXFP8),
-    (W.MXFP8, W.MXFP4),
-    (W.BF16, W.FP8_BLOCK),
-    (W.MXFP8, W.FP8_BLOCK),
-    (W.MXFP4, W.FP8_BLOCK),
-)
+# Every conversion the Triton kernels run: any other format to MXFP8, MXFP4 or FP8_BLOCK.
+PAIRS = tuple((src, dst) for dst in (W.MXFP8, W.MXFP4, W.FP8_BLOCK) for src in W if src is not dst)
 DEFAULT_SIZES = "64x3072x4096,32x2048x2048"
 BLOCK = (128, 128)
 
@@ -75,30 +72,6 @@ def parse_sizes(text: str) -> list[tuple[int, int, int]]:
     return sizes
 
 
-def parse_pairs(text: str) -> list[tuple[WeightFormat, WeightFormat]]:
-    if text == "all":
-        return list(PAIRS)
-    pairs = []
-    for item in text.split(","):
-        src, _, dst = item.partition(":")
-        pairs.append((W.parse(src), W.parse(dst)))
-    return pairs
-
-
-def model_like_bf16(shape: tuple[int, int, int], seed: int) -> torch.Tensor:
-    """Normal values, magnitude differing per expert and per 128x128 block (on the GPU)."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    e, n, k = shape
-    blocks = (e, -(-n // 128), -(-k // 128))
-    gain = 0.02 * torch.exp2(torch.rand(blocks, generator=gen, device="cuda") * 8.0 - 4.0)
-    gain *= 1.0 + 0.05 * torch.arange(e, device="cuda").view(e, 1, 1)
-    out = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
-    for i in range(e):  # one expert at a time keeps the float32 temporaries small
-        full = gain[i].repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
-        out[i] = (torch.randn((n, k), generator=gen, device="cuda") * full).to(torch.bfloat16)
-    return out
-
-
 def make_sources(
     shape: tuple[int, int, int], formats: set[WeightFormat], seed: int
 ) -> dict[WeightFormat, tuple[torch.Tensor, torch.Tensor | None]]:
@@ -114,30 +87,6 @@ def make_sources(
 
 def nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-def time_ms(fn: Callable[[], object], warmup: int, reps: int) -> float:
-    """Median milliseconds of ``fn`` over ``reps`` runs, each bracketed by CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def copy_gbs(total_bytes: int, warmup: int, reps: int) -> float:
-    """Device-to-device copy bandwidth (read + written) moving ``total_bytes`` in all."""
-    half = max(total_bytes // 2 // 16 * 16, 16)
-    a = torch.randint(0, 255, (half,), dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    return 2 * half / time_ms(lambda: b.copy_(a), warmup, reps) / 1e6
 
 
 def sweep_configs(kernels: Any, dst: WeightFormat) -> list[Any]:
@@ -174,10 +123,10 @@ def bench_pair(
     out_w, out_s, _ = kernels.requantize_triton_async(weight, scale, src, dst, BLOCK)
     moved = nbytes(weight, scale, out_w, out_s)
     del out_w, out_s
-    ceiling = copy_gbs(moved, args.warmup, args.reps)
+    ceiling = copy_bytes_per_s(moved, args.warmup, args.reps) / 1e9
 
     def kernel_ms(config: Any) -> float:
-        return time_ms(
+        return cuda_median_ms(
             lambda: kernels.requantize_triton_async(weight, scale, src, dst, BLOCK, config),
             args.warmup,
             args.reps,
@@ -201,12 +150,12 @@ def bench_pair(
                 best, best_ms = config, ms
         best_ms = kernel_ms(best)  # re-time the winner: no selection bias from one noisy run
         tuned[(src, dst)] = best  # later sizes reuse the winner
-    e2e = time_ms(
+    e2e = cuda_median_ms(
         lambda: kernels.requantize_triton(weight, scale, src, dst, BLOCK), args.warmup, args.reps
     )
     torch_ms = None
     if args.torch_reps > 0:
-        torch_ms = time_ms(
+        torch_ms = cuda_median_ms(
             lambda: quant.requantize(weight, scale, src, dst, BLOCK, use_triton=False),
             1,
             args.torch_reps,
@@ -228,26 +177,45 @@ def bench_pair(
     return row, tried
 
 
-def format_table(rows: Sequence[Row]) -> str:
-    head = (
-        f"{'conversion':<18} {'shape':>14} {'MB':>7} {'kernel ms':>9} {'GB/s':>7} "
-        f"{'copy GB/s':>9} {'% copy':>6} {'e2e ms':>7} {'torch ms':>9} {'speedup':>7}  config"
-    )
-    lines = [head, "-" * len(head)]
+COLUMNS = (
+    ("conversion", "<18"),
+    ("shape", ">14"),
+    ("MB", ">7.0f"),
+    ("kernel ms", ">9.3f"),
+    ("GB/s", ">7.0f"),
+    ("copy GB/s", ">9.0f"),
+    ("% copy", ">6.1f"),
+    ("e2e ms", ">7.3f"),
+    ("torch ms", ">9.2f"),
+    ("speedup", ">7.1f"),
+    ("config", "<"),
+)
+
+
+def table(rows: Sequence[Row]) -> str:
+    lines = []
     for r in rows:
-        torch_ms = "-" if r.torch_ms is None else f"{r.torch_ms:.2f}"
-        speedup = "-" if r.speedup_vs_torch is None else f"{r.speedup_vs_torch:.1f}x"
         c = r.config
         config = (
             f"R{c['rows']} G{c['groups']} w{c['num_warps']} s{c['num_stages']} "
             f"p{c['programs_per_sm']}{'' if c['e2m1_ptx'] else ' int-e2m1'}"
         )
         lines.append(
-            f"{r.conversion:<18} {'x'.join(map(str, r.shape)):>14} {r.bytes_moved / 1e6:>7.0f} "
-            f"{r.kernel_ms:>9.3f} {r.kernel_gbs:>7.0f} {r.copy_gbs:>9.0f} {r.pct_of_copy:>5.1f}% "
-            f"{r.e2e_ms:>7.3f} {torch_ms:>9} {speedup:>7}  {config}"
+            (
+                r.conversion,
+                "x".join(map(str, r.shape)),
+                r.bytes_moved / 1e6,
+                r.kernel_ms,
+                r.kernel_gbs,
+                r.copy_gbs,
+                r.pct_of_copy,
+                r.e2e_ms,
+                r.torch_ms,
+                r.speedup_vs_torch,
+                config,
+            )
         )
-    return "\n".join(lines)
+    return format_table(COLUMNS, lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -269,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from megamoe.core.kernels import requant_triton as kernels
 
-    pairs = parse_pairs(args.pairs)
+    pairs = list(PAIRS) if args.pairs == "all" else parse_format_pairs(args.pairs)
     rows: list[Row] = []
     sweeps: list[dict[str, Any]] = []
     tuned: dict[tuple[WeightFormat, WeightFormat], Any] = {}
@@ -279,11 +247,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             row, tried = bench_pair(kernels, src, dst, sources[src], args, tuned)
             rows.append(row)
             sweeps.append({"conversion": row.conversion, "shape": shape, "tried": tried})
-            print(format_table([row]).splitlines()[-1], flush=True)
+            print(table([row]).splitlines()[-1], flush=True)
         del sources
         torch.cuda.empty_cache()
     print()
-    print(format_table(rows))
+    print(table(rows))
     if args.json:
         report = {
             "device": torch.cuda.get_device_name(),
@@ -293,8 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "rows": [asdict(r) for r in rows],
             "sweeps": sweeps if args.sweep else [],
         }
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(args.json, report)
     return 0
 
 

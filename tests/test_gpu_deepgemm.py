@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from megamoe.core.backends import symm_buffer
 from megamoe.core.backends.deepgemm import DeepGemmBackend
+from megamoe.core.bitcheck import relative_error
 from megamoe.core.experts import MegaMoEExperts
 from megamoe.core.formats import WeightFormat
 from megamoe.core.testing import synthetic_expert_tensors
@@ -63,7 +64,7 @@ def checkpoint() -> Tensors:
 
 def build(
     backend: str,
-    tensors: Tensors,
+    tensors: Tensors | None = None,
     *,
     emulate: bool = False,
     max_tokens: int = T,
@@ -72,6 +73,7 @@ def build(
     group: dist.ProcessGroup | None = None,
     device: str = "cuda",
 ) -> MegaMoEExperts:
+    """The test layer (rank ``rank`` of ``ranks``); loaded and finalized given ``tensors``."""
     experts = MegaMoEExperts(
         num_experts=E,
         num_local_experts=E // ranks,
@@ -89,8 +91,9 @@ def build(
         prefix="model.layers.0.mlp.experts",
         emulate_kernel=emulate,
     )
-    experts.load_weights(tensors.items())
-    experts.finalize()
+    if tensors is not None:
+        experts.load_weights(tensors.items())
+        experts.finalize()
     return experts
 
 
@@ -106,10 +109,6 @@ def routing(tokens: int, seed: int, device: str = "cuda") -> tuple[torch.Tensor,
     return x.to(device), weights.float().to(device), ids.to(torch.int32).to(device)
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
-
-
 def report(what: str, value: float) -> None:
     print(f"[gpu-deepgemm] {what}: {value:.4g}", flush=True)
 
@@ -123,7 +122,8 @@ def test_kernel_matches_emulated_reference(checkpoint: Tensors) -> None:
         x, weights, ids = routing(tokens, seed=tokens)
         y = kernel(x, weights, ids)
         assert y.dtype == torch.bfloat16 and y.shape == (tokens, H)
-        vs_emulated, vs_float = rel(y, emulated(x, weights, ids)), rel(y, exact(x, weights, ids))
+        vs_emulated = relative_error(y, emulated(x, weights, ids))
+        vs_float = relative_error(y, exact(x, weights, ids))
         report(f"{tokens} tokens: kernel vs emulated reference", vs_emulated)
         report(f"{tokens} tokens: kernel vs float reference", vs_float)
         assert vs_emulated <= EMULATED_TOL
@@ -137,37 +137,24 @@ def test_swapped_gate_and_up_scales_fail(checkpoint: Tensors) -> None:
     kernel = build("deepgemm", checkpoint)
     x, weights, ids = routing(T, seed=1)
     want = build("reference", checkpoint)(x, weights, ids)
-    assert rel(kernel(x, weights, ids), want) <= FLOAT_TOL
+    assert relative_error(kernel(x, weights, ids), want) <= FLOAT_TOL
     scale = kernel.kernel_params["w13_weight_scale"].data
     half = scale.shape[1] // 2
     for _ in range(2):  # swap, check, swap back
         scale.copy_(torch.cat([scale[:, half:], scale[:, :half]], 1))
         kernel.backend.prepare(kernel, range(E))
-        swapped = rel(kernel(x, weights, ids), want)
+        swapped = relative_error(kernel(x, weights, ids), want)
         if _ == 0:
             report("swapped gate/up scales vs float reference", swapped)
             assert swapped > 0.5
-    assert rel(kernel(x, weights, ids), want) <= FLOAT_TOL
+    assert relative_error(kernel(x, weights, ids), want) <= FLOAT_TOL
 
 
 def test_finalize_peak_memory(checkpoint: Tensors) -> None:
     build("deepgemm", checkpoint)  # a first layer: the symmetric buffer is then cached
     torch.cuda.synchronize()
     unrelated = torch.cuda.memory_allocated()
-    layer = MegaMoEExperts(
-        num_experts=E,
-        num_local_experts=E,
-        experts_start_idx=0,
-        num_logical_experts=E,
-        top_k=TOP_K,
-        hidden_size=H,
-        intermediate_size=INTER,
-        weight_format=FMT,
-        checkpoint_format=FMT,
-        max_num_tokens=T,
-        backend="deepgemm",
-        device="cuda",
-    )
+    layer = build("deepgemm")  # not loaded yet
     layer.load_weights(checkpoint.items())
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated() - unrelated  # canonical tensors + staged update
@@ -248,8 +235,8 @@ def test_reload_in_place(checkpoint: Tensors) -> None:
     after |= {n: p.data_ptr() for n, p in kernel.kernel_params.items()}
     assert after == pointers
     new = kernel(x, weights, ids)
-    assert rel(new, old) > 0.05  # the reloaded experts serve
-    assert rel(new, emulated(x, weights, ids)) <= EMULATED_TOL
+    assert relative_error(new, old) > 0.05  # the reloaded experts serve
+    assert relative_error(new, emulated(x, weights, ids)) <= EMULATED_TOL
 
 
 def test_default_group_is_one_rank_nccl(checkpoint: Tensors) -> None:
@@ -290,12 +277,14 @@ def test_two_gpus_match_one_rank(tmp_path: Path, checkpoint: Tensors) -> None:
         want = emulated(x, weights, ids)
         kernel_y = torch.load(tmp_path / f"deepgemm_{rank}.pt").cuda()
         reference_y = torch.load(tmp_path / f"reference_{rank}.pt").cuda()
-        report(f"two GPUs, rank {rank}: kernel vs one-rank emulated reference", rel(kernel_y, want))
-        assert rel(kernel_y, want) <= EMULATED_TOL
+        kernel_error = relative_error(kernel_y, want)
+        report(f"two GPUs, rank {rank}: kernel vs one-rank emulated reference", kernel_error)
+        assert kernel_error <= EMULATED_TOL
         # Not bit for bit as on CPU: each rank's GEMMs see both ranks' tokens, and cuBLAS
         # picks its kernels (and reduction order) by problem size.
-        report(f"two GPUs, rank {rank}: reference vs one-rank reference", rel(reference_y, want))
-        assert rel(reference_y, want) <= TWO_RANK_REFERENCE_TOL
+        reference_error = relative_error(reference_y, want)
+        report(f"two GPUs, rank {rank}: reference vs one-rank reference", reference_error)
+        assert reference_error <= TWO_RANK_REFERENCE_TOL
 
 
 def _rank_inputs(rank: int, device: str = "cuda") -> tuple[torch.Tensor, ...]:

@@ -156,6 +156,10 @@ class FakeBuffer:
     topk_weights: torch.Tensor
     buffer: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int8))
 
+    def dims(self) -> tuple[int, int, int]:
+        """(experts per rank, hidden, intermediate): the shapes the kernels' weights have."""
+        return self.num_experts // self.group.size(), self.hidden, self.intermediate_hidden
+
 
 @dataclass
 class FakeDeepGemm:
@@ -411,8 +415,10 @@ class FakeDeepGemm:
         return out
 
     # ---------------------------------------------------------------- kernels
-    def _check_kernel_weights(self, buf: FakeBuffer, pieces: dict[str, torch.Tensor | None]) -> int:
-        e_local = buf.num_experts // buf.group.size()
+    def _check_kernel_weights(
+        self, buf: FakeBuffer, pieces: dict[str, torch.Tensor | None]
+    ) -> None:
+        e_local = buf.dims()[0]
         for name, t in pieces.items():
             if t is None:
                 continue
@@ -426,9 +432,16 @@ class FakeDeepGemm:
                     f"{name}[{e}] was not produced by a DeepGEMM transform "
                     "(untransformed or rearranged weights)",
                 )
-        return e_local
 
-    def _check_y(self, y: Any, buf: FakeBuffer) -> int:
+    def _check_call(
+        self, y: Any, sym_buffer: Any, kinds: tuple[str, ...], what: str
+    ) -> tuple[FakeBuffer, int]:
+        """The buffer (of one of ``kinds``) and the token count of a kernel call writing ``y``."""
+        buf = sym_buffer
+        _need(
+            isinstance(buf, FakeBuffer) and buf.kind in kinds,
+            f"sym_buffer is not {what} MegaMoE buffer",
+        )
         _need(
             isinstance(y, torch.Tensor) and y.dtype == torch.bfloat16 and y.dim() == 2,
             "y: a (T, H) bfloat16 tensor",
@@ -445,7 +458,7 @@ class FakeDeepGemm:
         _need(
             bool(((ids >= -1) & (ids < buf.num_experts)).all()), "topk_idx out of [-1, num_experts)"
         )
-        return tokens
+        return buf, tokens
 
     def fp8_fp4_mega_moe(
         self,
@@ -459,20 +472,15 @@ class FakeDeepGemm:
         activation_clamp: float | None = None,
         fast_math: bool = True,
     ) -> None:
-        buf = sym_buffer
-        _need(
-            isinstance(buf, FakeBuffer) and buf.kind in ("fp8xfp4", "fp8xfp8"),
-            "sym_buffer is not an FP8 MegaMoE buffer",
-        )
+        buf, tokens = self._check_call(y, sym_buffer, ("fp8xfp4", "fp8xfp8"), "an FP8")
         _need(
             tuple(recipe) == (1, 1, 32) and activation == "swiglu" and activation_clamp is None,
             "recipe/activation",
         )
-        tokens = self._check_y(y, buf)
         (w1, sf1), (w2, sf2) = l1_weights, l2_weights
         fp4 = buf.kind == "fp8xfp4"
         dtype, per_byte = (torch.int8, 2) if fp4 else (torch.float8_e4m3fn, 1)
-        e, h, i = buf.num_experts // buf.group.size(), buf.hidden, buf.intermediate_hidden
+        e, h, i = buf.dims()
         _check(w1, "l1 weight", dtype, (e, 2 * i, h // per_byte))
         _check(w2, "l2 weight", dtype, (e, h, i // per_byte))
         _check(sf1, "l1 sf", torch.int32, (e, 2 * i, h // 128))
@@ -507,13 +515,8 @@ class FakeDeepGemm:
         activation_clamp: float | None = None,
         fast_math: bool = True,
     ) -> None:
-        buf = sym_buffer
-        _need(
-            isinstance(buf, FakeBuffer) and buf.kind == "bf16xbf16",
-            "sym_buffer is not a BF16 MegaMoE buffer",
-        )
-        tokens = self._check_y(y, buf)
-        e, h, i = buf.num_experts // buf.group.size(), buf.hidden, buf.intermediate_hidden
+        buf, tokens = self._check_call(y, sym_buffer, ("bf16xbf16",), "a BF16")
+        e, h, i = buf.dims()
         _check(l1_weights, "l1 weight", torch.bfloat16, (e, 2 * i, h))
         _check(l2_weights, "l2 weight", torch.bfloat16, (e, h, i))
         self._check_kernel_weights(buf, {"l1 weight": l1_weights, "l2 weight": l2_weights})
@@ -583,15 +586,10 @@ class FakeDeepGemm:
         activation_clamp: float | None = None,
         fast_math: bool = True,
     ) -> None:
-        buf = sym_buffer
-        _need(
-            isinstance(buf, FakeBuffer) and buf.kind == SM90_KIND,
-            "sym_buffer is not a Hopper MegaMoE buffer",
-        )
+        buf, tokens = self._check_call(y, sym_buffer, (SM90_KIND,), "a Hopper")
         _need(tuple(recipe) == (128, 128, 128) and activation == "swiglu", "recipe/activation")
-        tokens = self._check_y(y, buf)
         (w1, s1), (w2, s2) = l1_weights, l2_weights
-        e, h, i = buf.num_experts // buf.group.size(), buf.hidden, buf.intermediate_hidden
+        e, h, i = buf.dims()
         _check(w1, "l1 weight", torch.float8_e4m3fn, (e, 2 * i, h))
         _check(s1, "l1 scale", torch.float32, (e, 2 * i // 128, h // 128))
         _check(w2, "l2 weight", torch.float8_e4m3fn, (e, h, i))

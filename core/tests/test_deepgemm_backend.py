@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from megamoe.core.backends import deepgemm as dg_backend
 from megamoe.core.backends import symm_buffer
 from megamoe.core.backends.deepgemm import DeepGemmBackend, missing_api, supported_kinds
+from megamoe.core.bitcheck import relative_error
 from megamoe.core.errors import CapabilityError, FormatMismatchError, NonFiniteError
 from megamoe.core.experts import MegaMoEExperts
 from megamoe.core.formats import WeightFormat
@@ -58,6 +59,16 @@ FLOAT_TOL = {
     WeightFormat.MXFP4: 0.08,
     WeightFormat.FP8_BLOCK: 0.08,
 }
+# The layer shape every test builds: one rank holding all E experts.
+ONE_RANK = dict(
+    num_experts=E,
+    num_local_experts=E,
+    experts_start_idx=0,
+    num_logical_experts=E,
+    top_k=TOP_K,
+    hidden_size=H,
+    intermediate_size=INTER,
+)
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
 
 
@@ -85,13 +96,7 @@ def build(
     fmt: WeightFormat, backend: str, *, seed: int = 0, max_tokens: int = T, emulate: bool = False
 ) -> MegaMoEExperts:
     experts = MegaMoEExperts(
-        num_experts=E,
-        num_local_experts=E,
-        experts_start_idx=0,
-        num_logical_experts=E,
-        top_k=TOP_K,
-        hidden_size=H,
-        intermediate_size=INTER,
+        **ONE_RANK,
         weight_format=fmt,
         checkpoint_format=fmt,
         max_num_tokens=max_tokens,
@@ -162,10 +167,6 @@ def float64_moe(
     return out
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
 FORMATS = [WeightFormat.BF16, WeightFormat.MXFP8, WeightFormat.MXFP4, WeightFormat.FP8_BLOCK]
 
 
@@ -231,13 +232,7 @@ def test_missing_deep_gemm_names_the_package(monkeypatch: pytest.MonkeyPatch) ->
     assert reason is not None and "deep_gemm does not import" in reason
     assert "pip install sgl-deep-gemm" in reason
     auto = MegaMoEExperts(
-        num_experts=E,
-        num_local_experts=E,
-        experts_start_idx=0,
-        num_logical_experts=E,
-        top_k=TOP_K,
-        hidden_size=H,
-        intermediate_size=INTER,
+        **ONE_RANK,
         weight_format="fp8_block",
         checkpoint_format="fp8_block",
         backend="auto",
@@ -255,12 +250,12 @@ def test_forward_matches_float64_moe(monkeypatch: pytest.MonkeyPatch, fmt: Weigh
     y = experts(x, weights, ids)
     assert y.dtype == torch.bfloat16 and y.shape == (T, H)
     want = float64_moe(fmt, x, weights, ids)
-    assert rel(y, want) <= FLOAT_TOL[fmt]
+    assert relative_error(y, want) <= FLOAT_TOL[fmt]
     assert fake.kernel_calls == 1  # type: ignore[attr-defined]
     if fmt is not WeightFormat.FP8_BLOCK:
         # The reference backend emulating the SM100 kernel rounds activations the same way.
         reference = build(fmt, "reference", emulate=True)
-        assert rel(y, reference(x, weights, ids)) <= 1e-2
+        assert relative_error(y, reference(x, weights, ids)) <= 1e-2
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
@@ -269,14 +264,14 @@ def test_swapped_gate_and_up_is_caught(monkeypatch: pytest.MonkeyPatch, fmt: Wei
     experts = build(fmt, "deepgemm")
     x, weights, ids = inputs()
     want = float64_moe(fmt, x, weights, ids)
-    assert rel(experts(x, weights, ids), want) <= FLOAT_TOL[fmt]
+    assert relative_error(experts(x, weights, ids), want) <= FLOAT_TOL[fmt]
     names = ["w13_weight"] + (["w13_weight_scale"] if fmt.scale_block else [])
     for name in names:  # swap the halves of each canonical tensor, then of the scales alone
         data = experts.kernel_params[name].data
         half = data.shape[1] // 2
         data.copy_(torch.cat([data[:, half:], data[:, :half]], 1))
         experts.backend.prepare(experts, range(E))
-        assert rel(experts(x, weights, ids), want) > 0.2, name
+        assert relative_error(experts(x, weights, ids), want) > 0.2, name
 
 
 def test_fake_refuses_what_deepgemm_would(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -374,10 +369,8 @@ def test_reload_of_some_experts_is_in_place(
     assert fake.transform_calls == calls + len(changed)  # type: ignore[attr-defined]
     assert {n: t.data_ptr() for n, t in experts.backend.kernel_weights.items()} == before
     x, weights, ids = inputs()
-    assert (
-        rel(experts(x, weights, ids), float64_moe(fmt, x, weights, ids, overrides=changed))
-        <= FLOAT_TOL[fmt]
-    )
+    want = float64_moe(fmt, x, weights, ids, overrides=changed)
+    assert relative_error(experts(x, weights, ids), want) <= FLOAT_TOL[fmt]
 
 
 def test_failed_reload_keeps_serving(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -426,20 +419,12 @@ def test_unchanged_pieces_are_not_copied(
 def test_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
     install(monkeypatch, "sm90")
     common = dict(
-        num_experts=E,
-        num_local_experts=E,
-        experts_start_idx=0,
-        num_logical_experts=E,
-        top_k=TOP_K,
-        hidden_size=H,
-        weight_format="fp8_block",
-        checkpoint_format="fp8_block",
-        backend="deepgemm",
+        ONE_RANK, weight_format="fp8_block", checkpoint_format="fp8_block", backend="deepgemm"
     )
     with pytest.raises(ValueError, match="intermediate_size=4224 exceeds 4096"):
-        MegaMoEExperts(intermediate_size=4224, **common)  # type: ignore[arg-type]
+        MegaMoEExperts(**common | {"intermediate_size": 4224})  # type: ignore[arg-type]
     with pytest.raises(CapabilityError, match="does not fuse shared experts"):
-        MegaMoEExperts(intermediate_size=INTER, num_shared_experts=1, **common)  # type: ignore[arg-type]
+        MegaMoEExperts(num_shared_experts=1, **common)  # type: ignore[arg-type]
     experts = build(WeightFormat.FP8_BLOCK, "deepgemm")
     with pytest.raises(
         ValueError, match="first prepare\\(\\) must cover all 4 local experts, got 1"

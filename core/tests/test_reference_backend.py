@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import sys
 import types
+from functools import partial
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ import torch
 from megamoe.core.backends import select
 from megamoe.core.backends.base import ExpertsBackend
 from megamoe.core.backends.reference import ReferenceBackend
+from megamoe.core.bitcheck import relative_error
 from megamoe.core.errors import CapabilityError, FormatMismatchError
 from megamoe.core.experts import MegaMoEExperts
 from megamoe.core.formats import WeightFormat
@@ -93,9 +95,9 @@ def kernel_experts64(m: MegaMoEExperts, shared: bool = False) -> list[dict[str, 
     return out
 
 
-def round_mx64(v: torch.Tensor) -> torch.Tensor:
-    """E4M3 with power-of-two scales per 32 columns (scale >= amax / 448)."""
-    g = v.reshape(*v.shape[:-1], -1, 32)
+def round_pow2_64(v: torch.Tensor, group: int) -> torch.Tensor:
+    """E4M3 with a power-of-two scale (>= amax / 448) per ``group`` columns."""
+    g = v.reshape(*v.shape[:-1], -1, group)
     amax = g.abs().amax(-1, keepdim=True).clamp(min=1e-4)
     scale = torch.pow(2.0, torch.ceil(torch.log2(amax / 448.0)))
     return ((g / scale).float().to(torch.float8_e4m3fn).double() * scale).reshape(v.shape)
@@ -114,24 +116,18 @@ def round_token_fp8_64(v: torch.Tensor) -> torch.Tensor:
     return (q.double() * scale.double()).reshape(v.shape)
 
 
-def round_pow2_64cols_64(v: torch.Tensor) -> torch.Tensor:
-    """E4M3 with a power-of-two scale (>= amax / 448) per 64 columns: Hopper's intermediate."""
-    g = v.reshape(*v.shape[:-1], -1, 64)
-    amax = g.abs().amax(-1, keepdim=True).clamp(min=1e-4)
-    scale = torch.pow(2.0, torch.ceil(torch.log2(amax / 448.0)))
-    return ((g / scale).float().to(torch.float8_e4m3fn).double() * scale).reshape(v.shape)
-
-
 def _bf16_64(v: torch.Tensor) -> torch.Tensor:
     return v.to(torch.bfloat16).double()
 
 
+_MX64 = partial(round_pow2_64, group=32)  # MX activations: 1x32 UE8M0 scales
+_HOPPER_MID64 = partial(round_pow2_64, group=64)  # Hopper's intermediate: 1x64
 # (input rounding, weighted-SwiGLU rounding) per run format.
 EMULATION64 = {
     WeightFormat.BF16: (_bf16_64, _bf16_64),
-    WeightFormat.FP8_BLOCK: (round_token_fp8_64, round_pow2_64cols_64),
-    WeightFormat.MXFP8: (round_mx64, round_mx64),
-    WeightFormat.MXFP4: (round_mx64, round_mx64),
+    WeightFormat.FP8_BLOCK: (round_token_fp8_64, _HOPPER_MID64),
+    WeightFormat.MXFP8: (_MX64, _MX64),
+    WeightFormat.MXFP4: (_MX64, _MX64),
 }
 
 
@@ -239,10 +235,6 @@ def assert_close_bf16(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     )
 
 
-def rel_fro(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b).norm() / b.norm())
-
-
 # ---------------------------------------------------------------- forward vs float64
 @pytest.mark.parametrize("checkpoint_format", FORMATS, ids=lambda f: f"ckpt-{f.value}")
 @pytest.mark.parametrize("run_format", FORMATS, ids=lambda f: f"run-{f.value}")
@@ -277,7 +269,7 @@ def test_forward_matches_float64_moe(run_format: WeightFormat, checkpoint_format
                 assert bool(((got - want).abs() <= bound).all()), (run_format, shard)
     # And the output stays within the format's noise of the float64 MoE on the source weights.
     ref = moe64(x, w, ids, ckpt, ckpt_shared)
-    assert rel_fro(out, ref) <= OUTPUT_NOISE[run_format]
+    assert relative_error(out, ref) <= OUTPUT_NOISE[run_format]
 
 
 # Relative Frobenius error of an output vs the source weights after conversion, bounded by
@@ -326,13 +318,13 @@ def test_emulated_kernel_rounding_matches_float64_emulation(run_format: WeightFo
     ref_emulated = moe64(x, w, ids, kernel, kernel_shared, emulate=run_format)
     out_emulated, out_exact = emulated(x, w, ids), exact(x, w, ids)
     ref_exact = moe64(x, w, ids, kernel, kernel_shared)
-    assert rel_fro(out_emulated, ref_emulated) <= 4e-3
-    assert rel_fro(out_exact, ref_exact) <= 4e-3
+    assert relative_error(out_emulated, ref_emulated) <= 4e-3
+    assert relative_error(out_exact, ref_exact) <= 4e-3
     # The rounding really happens: with E4M3 activations the emulated output departs from
     # the exact one by their precision (a few 1e-2); bf16 rounding is below the output's.
     assert not torch.equal(out_emulated, out_exact)
     if run_format is not WeightFormat.BF16:
-        assert rel_fro(out_emulated, ref_exact) >= 1e-2
+        assert relative_error(out_emulated, ref_exact) >= 1e-2
 
 
 def test_swapped_gate_up_is_detected():
@@ -344,7 +336,7 @@ def test_swapped_gate_up_is_detected():
     for name in ("w13_weight", "w13_weight_scale"):
         p = getattr(m, name).data
         p.copy_(torch.cat([p[:, INTER:], p[:, :INTER]], dim=1))
-    assert rel_fro(m(x, w, ids), ref) > 0.3
+    assert relative_error(m(x, w, ids), ref) > 0.3
 
 
 def test_unused_slots_and_untouched_tokens():

@@ -1,4 +1,8 @@
-"""Bit-for-bit tensor comparison, for tests of numerics that are defined exactly."""
+"""Tensor comparison for tests and benchmarks.
+
+Bit for bit where the numerics are defined exactly (:func:`assert_bitwise_equal`), else the
+relative Frobenius error against a reference (:func:`relative_error`).
+"""
 
 from __future__ import annotations
 
@@ -55,3 +59,29 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str
         f"{index}: actual {_describe(a_bits, a, index)} != expected "
         f"{_describe(e_bits, e, index)}"
     )
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Relative Frobenius error ``||actual - expected|| / ||expected||``, in float64.
+
+    Both tensors are copied to the CPU as float64 first, so they may live on different
+    devices and have any floating dtype.
+
+    Args:
+        actual: the tensor under test.
+        expected: the reference tensor.
+
+    Returns:
+        The error; ``inf`` (or ``nan`` when both are zero) for an all-zero ``expected``.
+
+    Raises:
+        ValueError: the shapes differ (no broadcasting: compare tensors of one shape).
+    """
+    if actual.shape != expected.shape:
+        raise ValueError(
+            f"relative_error: actual has shape {tuple(actual.shape)}, expected has shape "
+            f"{tuple(expected.shape)}; pass two tensors of the same shape"
+        )
+    a = actual.detach().cpu().double()
+    e = expected.detach().cpu().double()
+    return float((a - e).norm() / e.norm())

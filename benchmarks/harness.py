@@ -1,0 +1,149 @@
+"""What the benchmark scripts share around the thing each measures.
+
+CUDA-event timing, the device copy bandwidth that serves as a memory-bound ceiling,
+model-like weights, a one-rank experts layer, ``src:dst`` format-pair options, and the
+report (a fixed-width table, a JSON file). The scripts run as ``python3
+benchmarks/bench_x.py``, so Python finds this module beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megamoe.core.experts import MegaMoEExperts
+from megamoe.core.formats import WeightFormat
+
+
+def add_shape_args(parser: argparse.ArgumentParser, experts: int, top_k: bool = True) -> None:
+    """Add one layer's shape: ``--experts``, ``--top-k``, ``--hidden``, ``--intermediate``.
+
+    Top-8, hidden 4096 and intermediate 1536 by default: a large MoE model's routed experts.
+    """
+    parser.add_argument("--experts", type=int, default=experts)
+    if top_k:
+        parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--intermediate", type=int, default=1536)
+
+
+def cuda_median_ms(fn: Callable[[], object], warmup: int, reps: int) -> float:
+    """Median milliseconds of ``fn`` over ``reps`` runs, each bracketed by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bytes_per_s(total_bytes: int, warmup: int, reps: int) -> float:
+    """Device-to-device copy bandwidth: bytes read plus written per second.
+
+    The copy moves about ``total_bytes`` in all (half read, half written); a buffer far
+    larger than the L2 cache gives the HBM ceiling.
+    """
+    half = max(total_bytes // 2 // 16 * 16, 16)
+    src = torch.randint(0, 255, (half,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * half / (cuda_median_ms(lambda: dst.copy_(src), warmup, reps) * 1e-3)
+
+
+def model_like_bf16(shape: tuple[int, int, int], seed: int, device: str = "cuda") -> torch.Tensor:
+    """Normal values, magnitude differing per expert and per 128x128 block (on ``device``)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    e, n, k = shape
+    blocks = (e, -(-n // 128), -(-k // 128))
+    gain = 0.02 * torch.exp2(torch.rand(blocks, generator=gen, device=device) * 8.0 - 4.0)
+    gain *= 1.0 + 0.05 * torch.arange(e, device=device).view(e, 1, 1)
+    out = torch.empty(shape, dtype=torch.bfloat16, device=device)
+    for i in range(e):  # one expert at a time keeps the float32 temporaries small
+        full = gain[i].repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+        out[i] = (torch.randn((n, k), generator=gen, device=device) * full).to(torch.bfloat16)
+    return out
+
+
+def one_rank_experts(
+    shape: tuple[int, int, int],
+    top_k: int,
+    run: WeightFormat,
+    checkpoint: WeightFormat,
+    backend: str,
+    max_tokens: int = 256,
+    device: str = "cuda",
+) -> MegaMoEExperts:
+    """An empty experts layer of ``shape`` (experts, hidden, intermediate) on ``device``.
+
+    One rank holds every expert; load its weights, then ``finalize()``.
+    """
+    experts, hidden, intermediate = shape
+    return MegaMoEExperts(
+        num_experts=experts,
+        num_local_experts=experts,
+        experts_start_idx=0,
+        num_logical_experts=experts,
+        top_k=top_k,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        weight_format=run,
+        checkpoint_format=checkpoint,
+        max_num_tokens=max_tokens,
+        backend=backend,
+        device=device,
+    )
+
+
+def parse_format_pairs(text: str) -> list[tuple[WeightFormat, WeightFormat]]:
+    """``"fp8_block:mxfp8,bf16:mxfp4"`` -> [(FP8_BLOCK, MXFP8), (BF16, MXFP4)]."""
+    pairs = []
+    for item in text.split(","):
+        src, _, dst = item.partition(":")
+        pairs.append((WeightFormat.parse(src), WeightFormat.parse(dst)))
+    return pairs
+
+
+def _column_layout(title: str, spec: str) -> tuple[str, str]:
+    """Split ``"<20"``, ``">9.3f"``: (alignment and width widened to the title, the rest)."""
+    align = spec[0] if spec[:1] in ("<", ">", "^") else ""
+    body = spec[len(align) :]
+    digits = len(body) - len(body.lstrip("0123456789"))
+    width = max(int(body[:digits] or 0), len(title))
+    return f"{align or '>'}{width}", body[digits:]
+
+
+def format_table(columns: Sequence[tuple[str, str]], rows: Iterable[Sequence[Any]]) -> str:
+    """A header, a rule, then one line per row; ``None`` cells print as ``-``.
+
+    Each column is ``(title, format spec)``: the spec formats the column's values
+    (``">9.3f"``); its alignment (right by default) and width, widened to fit the title,
+    lay out the title and the ``-`` cells.
+    """
+    layout = [_column_layout(title, spec) for title, spec in columns]
+    head = " ".join(f"{title:{pad}}" for (title, _), (pad, _) in zip(columns, layout, strict=True))
+    lines = [head.rstrip()]
+    lines.append("-" * len(lines[0]))
+    for row in rows:
+        cells = (
+            f"{'-' if value is None else format(value, rest):{pad}}"
+            for value, (pad, rest) in zip(row, layout, strict=True)
+        )
+        lines.append(" ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def write_json(path: str | Path, report: Any) -> None:
+    """Write ``report`` as indented JSON and say where."""
+    Path(path).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {path}")
