@@ -1,5 +1,5 @@
-"""The setup every adapter's MoE block shares: expert split, formats, experts, input checks,
-dense tensors, and ``MoEBlock``'s rank filter and checkpoint loading."""
+"""The setup every adapter's MoE block shares: expert split, formats, experts, input checks
+and ``MoEBlock``'s rank filter and checkpoint loading."""
 
 from __future__ import annotations
 
@@ -13,12 +13,7 @@ import pytest
 import torch
 
 from megamoe.core.adapters import MoEBlock, SyntheticSizes
-from megamoe.core.block_setup import (
-    ExpertPlan,
-    check_hidden_states,
-    load_dense_tensor,
-    plan_experts,
-)
+from megamoe.core.block_setup import ExpertPlan, check_hidden_states, plan_experts
 from megamoe.core.checkpoint import CheckpointReader
 from megamoe.core.experts import MegaMoEExperts
 from megamoe.core.formats import WeightFormat
@@ -142,24 +137,6 @@ def test_hidden_states_must_be_tokens_by_hidden_in_bf16() -> None:
             check_hidden_states(MAIN, torch.zeros(shape, dtype=torch.bfloat16), 128)
     with pytest.raises(TypeError, match=r"dtype torch\.float16, expected torch\.bfloat16"):
         check_hidden_states(MAIN, torch.zeros(3, 128, dtype=torch.float16), 128)
-
-
-def test_dense_tensors_are_copied_in_place_after_their_checks() -> None:
-    param = torch.nn.Parameter(torch.zeros(4, 8, dtype=torch.bfloat16), requires_grad=False)
-    address = param.data_ptr()
-    value = torch.arange(32, dtype=torch.float32).reshape(4, 8) / 8
-    load_dense_tensor("x.gate.weight", param, value, shape_note="E=4, H=8")
-    assert param.data_ptr() == address and torch.equal(param.float(), value)
-    with pytest.raises(ValueError, match=r"x\.gate\.weight has shape \(8, 4\), expected \(4, 8\) "):
-        load_dense_tensor("x.gate.weight", param, value.T.contiguous(), shape_note="E=4, H=8")
-    for dtype in (torch.float8_e4m3fn, torch.int32):
-        with pytest.raises(ValueError, match=r"expected bf16/fp16/fp32: megamoe loads it"):
-            load_dense_tensor("x.gate.weight", param, value.to(dtype), shape_note="")
-    bad = value.clone()
-    bad[2, 3] = float("nan")
-    with pytest.raises(ValueError, match=r"x\.gate\.weight holds NaN or infinity"):
-        load_dense_tensor("x.gate.weight", param, bad, shape_note="")
-    assert torch.equal(param.float(), value)  # refused tensors leave it as it was
 
 
 # -- MoEBlock: rank filter and checkpoint loading --------------------------------------------

@@ -5,8 +5,8 @@ detects how the checkpoint stores the routed experts and picks the format they r
 (the MTP drafter's layers never take a forced one). ``plan_experts`` does all of that and
 hands back an ``ExpertPlan`` whose ``build_experts`` constructs the block's
 ``MegaMoEExperts`` subclass; the block keeps only what is its model's own (router, shared
-expert). ``load_dense_tensor`` loads its unquantized tensors (router weights, biases,
-gates) and ``check_hidden_states`` is the input check of every block's ``forward``.
+expert; their safe reload is ``megamoe.core.dense_update``). ``check_hidden_states`` is
+the input check of every block's ``forward``.
 """
 
 from __future__ import annotations
@@ -245,32 +245,3 @@ def check_hidden_states(prefix: str, hidden_states: torch.Tensor, hidden_size: i
             f"{prefix}: hidden_states has dtype {hidden_states.dtype}, expected "
             "torch.bfloat16; cast the activations with .to(torch.bfloat16)"
         )
-
-
-def load_dense_tensor(
-    name: str, param: torch.Tensor, tensor: torch.Tensor, *, shape_note: str
-) -> None:
-    """Copy an unquantized checkpoint tensor (router weight, bias, gate) into ``param``.
-
-    Args:
-        name: the tensor's full name, for messages.
-        param: the block's parameter; it keeps its storage, dtype and device.
-        tensor: the checkpoint tensor, bf16, fp16 or fp32.
-        shape_note: what the dimensions are, e.g. ``"n_routed_experts=8, hidden_size=256"``.
-
-    Raises:
-        ValueError: a shape other than ``param``'s, a dtype narrower than 16-bit float, or
-            NaN or infinity.
-    """
-    if tuple(tensor.shape) != tuple(param.shape):
-        raise ValueError(
-            f"{name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)} ({shape_note})"
-        )
-    if not tensor.is_floating_point() or tensor.element_size() < 2:
-        raise ValueError(
-            f"{name} has dtype {tensor.dtype}, expected bf16/fp16/fp32: megamoe loads it "
-            "unquantized; store it unquantized in the checkpoint"
-        )
-    if not bool(torch.isfinite(tensor).all()):
-        raise ValueError(f"{name} holds NaN or infinity; fix the checkpoint")
-    param.data.copy_(tensor)

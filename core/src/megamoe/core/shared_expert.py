@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from megamoe.core import quant
+from megamoe.core.dense_update import DenseUpdate
 from megamoe.core.formats import WeightFormat
 from megamoe.core.pairing import PROJ_TO_SHARD, ShardPairing
 
@@ -22,7 +23,9 @@ _PROJS = ("gate_proj", "up_proj", "down_proj")
 class SwiGLUMLP(torch.nn.Module):
     """``down(silu(gate(x)) * up(x))`` with bias-free bf16 projections.
 
-    Quantized checkpoint tensors are dequantized to bf16 when loaded.
+    Quantized checkpoint tensors are dequantized to bf16 when loaded. The first load writes
+    them straight in; once ``commit()`` has run, a reload is staged (``DenseUpdate``) and
+    written in place by the next ``commit()``, or dropped by ``discard_pending()``.
 
     Args:
         hidden_size: model width H.
@@ -64,7 +67,7 @@ class SwiGLUMLP(torch.nn.Module):
                     torch.empty(shape, dtype=torch.bfloat16, device=device), requires_grad=False
                 ),
             )
-        self._loaded: set[str] = set()
+        self._update = DenseUpdate(prefix)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the MLP to ``x`` (tokens, H) in bf16."""
@@ -86,7 +89,8 @@ class SwiGLUMLP(torch.nn.Module):
             The projections written by this call.
 
         Raises:
-            ValueError: an unexpected name or a shape that does not match.
+            ValueError: an unexpected name, a shape that does not match, or NaN or infinity
+                (after dequantization).
         """
         halves, scale_name = self._halves, self.checkpoint_format.scale_name
         written: set[str] = set()
@@ -106,14 +110,8 @@ class SwiGLUMLP(torch.nn.Module):
                 None if scale_name is None else parts[scale_name].to(param.device),
                 self.checkpoint_format,
             )
-            if dense.shape != param.shape:
-                raise ValueError(
-                    f"{self.prefix}.{proj}: weight has shape {tuple(dense.shape)} after "
-                    f"dequantization, expected {tuple(param.shape)}"
-                )
-            param.data.copy_(dense)
+            self._update.write(proj, param, dense, shape_note="after dequantization")
             written.add(proj)
-        self._loaded |= written
         return written
 
     def check_loaded(self) -> None:
@@ -124,9 +122,21 @@ class SwiGLUMLP(torch.nn.Module):
             ValueError: names the projections never loaded.
         """
         self._pairing.check_complete()
-        missing = [p for p in _PROJS if p not in self._loaded]
-        if missing:
-            raise ValueError(f"{self.prefix}: projections never loaded: {', '.join(missing)}")
+        self._update.check_loaded(_PROJS)
+
+    def commit(self) -> None:
+        """Write a staged reload in place (storage unchanged); later loads are staged."""
+        self._update.commit()
+
+    def discard_pending(self) -> None:
+        """Forget every tensor loaded since the last ``commit()``, unpaired halves included."""
+        self._pairing.clear()
+        self._update.discard_pending()
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes held by a staged reload (at most the three projections' bf16 size)."""
+        return self._update.pending_bytes
 
 
 class AuxStream:

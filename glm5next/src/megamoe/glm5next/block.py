@@ -9,13 +9,9 @@ from typing import Any, Unpack
 import torch
 
 from megamoe.core.adapters import MoEBlock
-from megamoe.core.block_setup import (
-    EXPERTS,
-    BlockOptions,
-    check_hidden_states,
-    load_dense_tensor,
-    plan_experts,
-)
+from megamoe.core.block_setup import EXPERTS, BlockOptions, check_hidden_states, plan_experts
+from megamoe.core.dense_update import DenseUpdate, discard_on_error
+from megamoe.core.errors import IncompleteShardsError, MissingExpertsError
 from megamoe.core.formats import WeightFormat
 from megamoe.core.parallel import ParallelSettings
 from megamoe.core.quant_config import detect_expert_format
@@ -117,7 +113,7 @@ class Glm5NextMegaMoeBlock(MoEBlock):
             )
         self.gate = Glm5NextRouter(cfg, device=self.device)
         self.aux_stream = AuxStream(self.device, enabled=use_aux_stream)
-        self._router_loaded: set[str] = set()
+        self._dense = DenseUpdate(prefix)
 
     def _fuses_shared(
         self,
@@ -171,7 +167,12 @@ class Glm5NextMegaMoeBlock(MoEBlock):
         Names: ``gate.weight`` (E, H), ``gate.e_score_correction_bias`` (E,),
         ``shared_experts.{gate,up,down}_proj.{weight,<scale>}`` and
         ``experts.{e}.{gate,up,down}_proj.{weight,<scale>}``. ``finalize()`` applies the
-        update (requantizing the new block-FP8 shards first).
+        update (requantizing the new block-FP8 shards first). The first load writes the
+        router and the unfused shared expert straight in; after a successful
+        ``finalize()`` they are staged and ``finalize()`` commits them. Any error drops
+        them with the experts' pending update (``discard_pending``); experts that
+        requantize in place were already overwritten, so ``forward`` then refuses to run
+        until an update completes (see ``Glm5NextMegaMoEExperts``).
 
         Returns:
             The names loaded or accepted.
@@ -182,36 +183,47 @@ class Glm5NextMegaMoeBlock(MoEBlock):
             NonFiniteError: an expert tensor holds NaN or infinity.
         """
         loaded: set[str] = set()
-        for name, tensor in weights:
-            head, _, rest = name.partition(".")
-            if head == EXPERTS:
-                self.experts.load_weights([(rest, tensor)])
-            elif head == SHARED_EXPERTS and self.fused_shared:
-                self.experts.load_shared_expert_weight(rest, tensor)
-            elif head == SHARED_EXPERTS and self.shared_experts is not None:
-                self.shared_experts.load_weights([(rest, tensor)])
-            elif name in (ROUTER, ROUTER_BIAS):
-                self._load_router(name, tensor)
-            else:
-                shared = f"{SHARED_EXPERTS}.*, " if self.config.n_shared_experts else ""
-                raise ValueError(
-                    f"{self.prefix}: unexpected tensor {name!r}; a {MODEL_NAME} MoE block "
-                    f"loads {ROUTER}, {ROUTER_BIAS}, {shared}{EXPERTS}.{{e}}.{{gate,up,down}}"
-                    "_proj.*"
-                )
-            loaded.add(name)
+        with discard_on_error(self):
+            for name, tensor in weights:
+                head, _, rest = name.partition(".")
+                if head == EXPERTS:
+                    self.experts.load_weights([(rest, tensor)])
+                elif head == SHARED_EXPERTS and self.fused_shared:
+                    self.experts.load_shared_expert_weight(rest, tensor)
+                elif head == SHARED_EXPERTS and self.shared_experts is not None:
+                    self.shared_experts.load_weights([(rest, tensor)])
+                elif name in (ROUTER, ROUTER_BIAS):
+                    self._load_router(name, tensor)
+                else:
+                    shared = f"{SHARED_EXPERTS}.*, " if self.config.n_shared_experts else ""
+                    raise ValueError(
+                        f"{self.prefix}: unexpected tensor {name!r}; a {MODEL_NAME} MoE block "
+                        f"loads {ROUTER}, {ROUTER_BIAS}, {shared}{EXPERTS}.{{e}}."
+                        "{gate,up,down}_proj.*"
+                    )
+                loaded.add(name)
         return loaded
 
     def _load_router(self, name: str, tensor: torch.Tensor) -> None:
-        """Copy the router weight or its selection bias, checking shape, dtype and values."""
+        """Load the router weight or its selection bias, checking shape, dtype and values."""
         param = self.gate.weight if name == ROUTER else self.gate.e_score_correction_bias
         cfg = self.config
         note = f"n_routed_experts={cfg.n_routed_experts}, hidden_size={cfg.hidden_size}"
-        load_dense_tensor(f"{self.prefix}.{name}", param, tensor, shape_note=note)
-        self._router_loaded.add(name)
+        self._dense.load(name, param, tensor, shape_note=note)
+
+    def discard_pending(self) -> None:
+        """Forget every tensor loaded since the last successful ``finalize()``."""
+        self.experts.discard_pending()
+        self._dense.discard_pending()
+        if self.shared_experts is not None:
+            self.shared_experts.discard_pending()
 
     def finalize(self) -> None:
         """Check the router and shared expert, requantize new shards, commit the experts.
+
+        Router and unfused shared expert change only here, in place, once the experts'
+        update succeeded. An incomplete load keeps the update pending (load the missing
+        tensors and finalize again); any other error drops it.
 
         Raises:
             ValueError: the router weight or bias, or a shared-expert projection, was never
@@ -220,10 +232,12 @@ class Glm5NextMegaMoeBlock(MoEBlock):
                 the shared expert).
             MissingExpertsError: local experts that never received their tensors.
         """
-        missing = [n for n in (ROUTER, ROUTER_BIAS) if n not in self._router_loaded]
-        if missing:
-            raise ValueError(f"{self.prefix}: never loaded: {', '.join(missing)}")
+        self._dense.check_loaded((ROUTER, ROUTER_BIAS))
         if self.shared_experts is not None:
             self.shared_experts.check_loaded()
-        self.experts.requantize_block_fp8(chunk=self.requant_chunk)
-        self.experts.finalize()
+        with discard_on_error(self, keep=(IncompleteShardsError, MissingExpertsError)):
+            self.experts.requantize_block_fp8(chunk=self.requant_chunk)
+            self.experts.finalize()
+        self._dense.commit()
+        if self.shared_experts is not None:
+            self.shared_experts.commit()

@@ -9,13 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from megamoe.core.adapters import MoEBlock
-from megamoe.core.block_setup import (
-    EXPERTS,
-    BlockOptions,
-    check_hidden_states,
-    load_dense_tensor,
-    plan_experts,
-)
+from megamoe.core.block_setup import EXPERTS, BlockOptions, check_hidden_states, plan_experts
+from megamoe.core.dense_update import DenseUpdate, discard_on_error
+from megamoe.core.errors import IncompleteShardsError, MissingExpertsError
 from megamoe.core.expert_names import WEIGHT, WEIGHT_PACKED
 from megamoe.core.parallel import ParallelSettings
 from megamoe.core.quant_config import detect_expert_format
@@ -89,7 +85,7 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
         for linear in (self.gate, self.shared_expert_gate):
             linear.weight.requires_grad_(False)
         self.aux_stream = AuxStream(self.device, enabled=use_aux_stream)
-        self._dense_loaded: set[str] = set()
+        self._dense = DenseUpdate(prefix)
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -127,7 +123,10 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
 
         Names: ``gate.weight`` (router, (E, H)), ``shared_expert_gate.weight`` ((1, H)),
         ``shared_expert.{gate,up,down}_proj.{weight,<scale>}`` and ``experts.*`` (see
-        ``Qwen4ExpMegaMoEExperts.load_weights``). ``finalize()`` applies the expert update.
+        ``Qwen4ExpMegaMoEExperts.load_weights``). The first load writes the router, gate
+        and shared expert straight in; after a successful ``finalize()`` they are staged and
+        ``finalize()`` commits them with the expert update. Any error drops the whole
+        pending update (``discard_pending``): the previous weights keep serving.
 
         Returns:
             The names loaded or accepted.
@@ -138,42 +137,53 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
             NonFiniteError: a routed-expert tensor holds NaN or infinity.
         """
         loaded: set[str] = set()
-        for name, tensor in weights:
-            head, _, rest = name.partition(".")
-            if head == EXPERTS:
-                self.experts.load_weights([(rest, tensor)])
-            elif head == SHARED_EXPERT:
-                proj, _, kind = rest.partition(".")
-                kind = WEIGHT if kind == WEIGHT_PACKED else kind
-                self.shared_expert.load_weights([(f"{proj}.{kind}", tensor)])
-            elif name in (ROUTER, SHARED_GATE):
-                self._load_dense(name, tensor)
-            else:
-                raise ValueError(
-                    f"{self.prefix}: unexpected tensor {name!r}; a Qwen4Exp MoE block loads "
-                    f"{ROUTER}, {SHARED_GATE}, {SHARED_EXPERT}.{{gate,up,down}}_proj.* and "
-                    f"{EXPERTS}.* ({self.experts.expected_names()})"
-                )
-            loaded.add(name)
+        with discard_on_error(self):
+            for name, tensor in weights:
+                head, _, rest = name.partition(".")
+                if head == EXPERTS:
+                    self.experts.load_weights([(rest, tensor)])
+                elif head == SHARED_EXPERT:
+                    proj, _, kind = rest.partition(".")
+                    kind = WEIGHT if kind == WEIGHT_PACKED else kind
+                    self.shared_expert.load_weights([(f"{proj}.{kind}", tensor)])
+                elif name in (ROUTER, SHARED_GATE):
+                    self._load_dense(name, tensor)
+                else:
+                    raise ValueError(
+                        f"{self.prefix}: unexpected tensor {name!r}; a Qwen4Exp MoE block "
+                        f"loads {ROUTER}, {SHARED_GATE}, {SHARED_EXPERT}.{{gate,up,down}}_proj.* "
+                        f"and {EXPERTS}.* ({self.experts.expected_names()})"
+                    )
+                loaded.add(name)
         return loaded
 
     def _load_dense(self, name: str, tensor: torch.Tensor) -> None:
-        """Copy the router or the shared-expert gate, checking shape, dtype and values."""
+        """Load the router or the shared-expert gate, checking shape, dtype and values."""
         param = (self.gate if name == ROUTER else self.shared_expert_gate).weight
         note = f"out, hidden_size={self.config.hidden_size}"
-        load_dense_tensor(f"{self.prefix}.{name}", param, tensor, shape_note=note)
-        self._dense_loaded.add(name)
+        self._dense.load(name, param, tensor, shape_note=note)
+
+    def discard_pending(self) -> None:
+        """Forget every tensor loaded since the last successful ``finalize()``."""
+        self.experts.discard_pending()
+        self._dense.discard_pending()
+        self.shared_expert.discard_pending()
 
     def finalize(self) -> None:
-        """Check every dense tensor arrived and commit the routed experts' update.
+        """Check every tensor arrived, commit the experts' update, then the dense tensors.
+
+        Router, gate and shared expert change only here, in place, and only once the
+        experts' update succeeded. An incomplete load keeps the update pending (load the
+        missing tensors and finalize again); any other error drops it.
 
         Raises:
             ValueError: the router or shared-expert gate was never loaded.
             IncompleteShardsError: an expert or shared-expert projection lacks a half.
             MissingExpertsError: local experts that never received their tensors.
         """
-        missing = [n for n in (ROUTER, SHARED_GATE) if n not in self._dense_loaded]
-        if missing:
-            raise ValueError(f"{self.prefix}: never loaded: {', '.join(missing)}")
+        self._dense.check_loaded((ROUTER, SHARED_GATE))
         self.shared_expert.check_loaded()
-        self.experts.finalize()
+        with discard_on_error(self, keep=(IncompleteShardsError, MissingExpertsError)):
+            self.experts.finalize()
+        self._dense.commit()
+        self.shared_expert.commit()
