@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from megamoe.core import testing
 from megamoe.core.experts import MegaMoEExperts
 from megamoe.core.formats import WeightFormat
 
@@ -88,15 +89,9 @@ def one_rank_experts(
 
     One rank holds every expert; load its weights, then ``finalize()``.
     """
-    experts, hidden, intermediate = shape
-    return MegaMoEExperts(
-        num_experts=experts,
-        num_local_experts=experts,
-        experts_start_idx=0,
-        num_logical_experts=experts,
+    return testing.one_rank_experts(
+        *shape,
         top_k=top_k,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
         weight_format=run,
         checkpoint_format=checkpoint,
         max_num_tokens=max_tokens,

@@ -15,6 +15,7 @@ from megamoe.core.adapters import MoEBlock, SyntheticSizes, installed_adapters
 from megamoe.core.formats import WeightFormat
 from megamoe.core.lifetime import assert_freed_without_gc
 from megamoe.core.parallel import ParallelSettings, single_rank_group
+from megamoe.core.testing import synthetic_layer_tensors
 
 ADAPTERS = installed_adapters()
 SIZES = SyntheticSizes(
@@ -34,11 +35,9 @@ def _exercised(adapter_name: str, checkpoint_format: WeightFormat) -> MoEBlock:
     layer = adapter.moe_layers(config)[0]
     parallel = ParallelSettings(ep_group=single_rank_group("cpu"))
     block = adapter.build_block(config, layer, parallel=parallel, backend="reference")
-    head = f"{layer.prefix}."
     x = torch.randn(5, SIZES.hidden_size, generator=torch.Generator().manual_seed(0))
     for seed in (1, 2):  # the first load writes in place, the second is staged
-        tensors = adapter.synthetic_tensors(config, seed=seed)
-        block.load_weights((n[len(head) :], t) for n, t in tensors if n.startswith(head))
+        block.load_weights(synthetic_layer_tensors(adapter, config, layer.prefix, seed).items())
         block.finalize()
         out = block(x.to(torch.bfloat16))
         assert out.shape == x.shape

@@ -13,7 +13,7 @@ from megamoe.core.bitcheck import assert_bitwise_equal
 from megamoe.core.errors import NonFiniteError
 from megamoe.core.experts import MegaMoEExperts
 from megamoe.core.formats import WeightFormat
-from megamoe.core.testing import synthetic_expert_tensors
+from megamoe.core.testing import one_rank_experts, synthetic_expert_tensors
 
 pytestmark = [
     pytest.mark.gpu,
@@ -36,14 +36,10 @@ Stream = list[tuple[str, torch.Tensor]]
 def _build(
     checkpoint_format: WeightFormat, run_format: WeightFormat, device: str
 ) -> MegaMoEExperts:
-    return MegaMoEExperts(
-        num_experts=E,
-        num_local_experts=E,
-        experts_start_idx=0,
-        num_logical_experts=E,
-        top_k=2,
-        hidden_size=H,
-        intermediate_size=INTER,
+    return one_rank_experts(
+        E,
+        H,
+        INTER,
         weight_format=run_format,
         checkpoint_format=checkpoint_format,
         backend="reference",

@@ -14,7 +14,7 @@ from megamoe.core.errors import NonFiniteError
 from megamoe.core.experts import MegaMoEExperts
 from megamoe.core.formats import WeightFormat
 from megamoe.core.lifetime import assert_freed_without_gc
-from megamoe.core.testing import synthetic_expert_tensors
+from megamoe.core.testing import one_rank_experts, synthetic_expert_tensors
 
 H, INTER, E = 128, 128, 4
 CHECKPOINT = {  # a checkpoint format that needs a conversion to each run format
@@ -39,14 +39,10 @@ DEVICES = [
 def _experts(
     run_format: WeightFormat, checkpoint_format: WeightFormat, device: str
 ) -> MegaMoEExperts:
-    return MegaMoEExperts(
-        num_experts=E,
-        num_local_experts=E,
-        experts_start_idx=0,
-        num_logical_experts=E,
-        top_k=2,
-        hidden_size=H,
-        intermediate_size=INTER,
+    return one_rank_experts(
+        E,
+        H,
+        INTER,
         weight_format=run_format,
         checkpoint_format=checkpoint_format,
         num_shared_experts=1,

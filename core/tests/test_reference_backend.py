@@ -31,7 +31,7 @@ from megamoe.core.bitcheck import relative_error
 from megamoe.core.errors import CapabilityError, FormatMismatchError
 from megamoe.core.experts import MegaMoEExperts
 from megamoe.core.formats import WeightFormat
-from megamoe.core.testing import synthetic_expert_tensors
+from megamoe.core.testing import one_rank_experts, synthetic_expert_tensors
 
 FORMATS = list(WeightFormat)
 H, INTER = 256, 256
@@ -179,14 +179,11 @@ def build(
     emulate: bool = False,
     top_k: int = 3,
 ) -> MegaMoEExperts:
-    return MegaMoEExperts(
-        num_experts=num_experts,
-        num_local_experts=num_experts,
-        experts_start_idx=0,
-        num_logical_experts=num_experts,
+    return one_rank_experts(
+        num_experts,
+        H,
+        INTER,
         top_k=top_k,
-        hidden_size=H,
-        intermediate_size=INTER,
         weight_format=run_format,
         checkpoint_format=checkpoint_format,
         num_shared_experts=shared,

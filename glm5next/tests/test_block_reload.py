@@ -15,6 +15,7 @@ from megamoe.core.adapters import SyntheticSizes
 from megamoe.core.bitcheck import assert_bitwise_equal
 from megamoe.core.formats import WeightFormat
 from megamoe.core.parallel import ParallelSettings
+from megamoe.core.testing import synthetic_layer_tensors
 from megamoe.glm5next import ADAPTER, Glm5NextMegaMoeBlock
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*not powers of two:UserWarning")
@@ -35,12 +36,7 @@ def _config() -> dict[str, Any]:
 
 
 def _layer(seed: int) -> Tensors:
-    head = PREFIX + "."
-    return {
-        n[len(head) :]: t
-        for n, t in ADAPTER.synthetic_tensors(_config(), seed=seed)
-        if n.startswith(head)
-    }
+    return synthetic_layer_tensors(ADAPTER, _config(), PREFIX, seed)
 
 
 def _block(

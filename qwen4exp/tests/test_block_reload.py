@@ -14,6 +14,7 @@ from megamoe.core.bitcheck import assert_bitwise_equal
 from megamoe.core.errors import IncompleteShardsError
 from megamoe.core.formats import WeightFormat
 from megamoe.core.parallel import ParallelSettings
+from megamoe.core.testing import synthetic_layer_tensors
 from megamoe.qwen4exp import ADAPTER, Qwen4ExpMegaMoeBlock
 
 SIZES = SyntheticSizes(
@@ -32,12 +33,7 @@ def _config() -> dict[str, Any]:
 
 
 def _layer(seed: int) -> Tensors:
-    head = PREFIX + "."
-    return {
-        n[len(head) :]: t
-        for n, t in ADAPTER.synthetic_tensors(_config(), seed=seed)
-        if n.startswith(head)
-    }
+    return synthetic_layer_tensors(ADAPTER, _config(), PREFIX, seed)
 
 
 def _block(parallel: ParallelSettings, tensors: Tensors) -> Qwen4ExpMegaMoeBlock:

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from megamoe.core import adapters as adapter_registry
 from megamoe.core.adapters import ModelAdapter, SyntheticSizes
 from megamoe.core.checkpoint import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
+from megamoe.core.experts import MegaMoEExperts
 from megamoe.core.formats import WeightFormat
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024 * 1024  # 2 MiB: a default synthetic checkpoint has shards
@@ -137,6 +138,57 @@ def synthetic_expert_tensors(
             )
             for kind, tensor in parts:
                 yield f"{expert}.{proj}.{kind}", tensor
+
+
+def one_rank_experts(
+    num_experts: int,
+    hidden_size: int,
+    intermediate_size: int,
+    *,
+    weight_format: WeightFormat | str,
+    checkpoint_format: WeightFormat | str,
+    top_k: int = 2,
+    **options: Any,
+) -> MegaMoEExperts:
+    """An empty ``MegaMoEExperts`` whose one rank holds every expert (no redundant copies).
+
+    Args:
+        num_experts: routed experts (physical = logical = local).
+        hidden_size: H.
+        intermediate_size: I.
+        weight_format: run format.
+        checkpoint_format: stored format.
+        top_k: experts per token.
+        **options: any other constructor keyword (``backend``, ``device``, ``prefix``,
+            ``num_shared_experts``, ``max_num_tokens``, ``emulate_kernel``).
+    """
+    return MegaMoEExperts(
+        num_experts=num_experts,
+        num_local_experts=num_experts,
+        experts_start_idx=0,
+        num_logical_experts=num_experts,
+        top_k=top_k,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        weight_format=weight_format,
+        checkpoint_format=checkpoint_format,
+        **options,
+    )
+
+
+def synthetic_layer_tensors(
+    adapter: ModelAdapter, config: Mapping[str, Any], prefix: str, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """One MoE layer's synthetic tensors, named relative to the block ``prefix``.
+
+    The names a block's ``load_weights`` takes (``gate.weight``, ``experts.3.up_proj.weight``).
+    """
+    head = prefix + "."
+    return {
+        name[len(head) :]: tensor
+        for name, tensor in adapter.synthetic_tensors(config, seed=seed)
+        if name.startswith(head)
+    }
 
 
 def _expert_gain(expert: int, proj: str) -> float:
