@@ -26,7 +26,7 @@ from megamoe.core.errors import CapabilityError, FormatMismatchError, NonFiniteE
 from megamoe.core.experts import MegaMoEExperts
 from megamoe.core.formats import WeightFormat
 from megamoe.core.tagging import KernelTag, tag
-from megamoe.core.testing import synthetic_expert_tensors
+from megamoe.core.testing import one_rank_experts, synthetic_expert_tensors
 
 
 def _load_fake() -> ModuleType:
@@ -59,16 +59,6 @@ FLOAT_TOL = {
     WeightFormat.MXFP4: 0.08,
     WeightFormat.FP8_BLOCK: 0.08,
 }
-# The layer shape every test builds: one rank holding all E experts.
-ONE_RANK = dict(
-    num_experts=E,
-    num_local_experts=E,
-    experts_start_idx=0,
-    num_logical_experts=E,
-    top_k=TOP_K,
-    hidden_size=H,
-    intermediate_size=INTER,
-)
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
 
 
@@ -95,8 +85,11 @@ def install(
 def build(
     fmt: WeightFormat, backend: str, *, seed: int = 0, max_tokens: int = T, emulate: bool = False
 ) -> MegaMoEExperts:
-    experts = MegaMoEExperts(
-        **ONE_RANK,
+    experts = one_rank_experts(
+        E,
+        H,
+        INTER,
+        top_k=TOP_K,
         weight_format=fmt,
         checkpoint_format=fmt,
         max_num_tokens=max_tokens,
@@ -231,8 +224,11 @@ def test_missing_deep_gemm_names_the_package(monkeypatch: pytest.MonkeyPatch) ->
     reason = DeepGemmBackend.unsupported_reason(WeightFormat.FP8_BLOCK, torch.device("cpu"))
     assert reason is not None and "deep_gemm does not import" in reason
     assert "pip install sgl-deep-gemm" in reason
-    auto = MegaMoEExperts(
-        **ONE_RANK,
+    auto = one_rank_experts(
+        E,
+        H,
+        INTER,
+        top_k=TOP_K,
         weight_format="fp8_block",
         checkpoint_format="fp8_block",
         backend="auto",
@@ -419,12 +415,12 @@ def test_unchanged_pieces_are_not_copied(
 def test_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
     install(monkeypatch, "sm90")
     common = dict(
-        ONE_RANK, weight_format="fp8_block", checkpoint_format="fp8_block", backend="deepgemm"
+        top_k=TOP_K, weight_format="fp8_block", checkpoint_format="fp8_block", backend="deepgemm"
     )
     with pytest.raises(ValueError, match="intermediate_size=4224 exceeds 4096"):
-        MegaMoEExperts(**common | {"intermediate_size": 4224})  # type: ignore[arg-type]
+        one_rank_experts(E, H, 4224, **common)
     with pytest.raises(CapabilityError, match="does not fuse shared experts"):
-        MegaMoEExperts(num_shared_experts=1, **common)  # type: ignore[arg-type]
+        one_rank_experts(E, H, INTER, num_shared_experts=1, **common)
     experts = build(WeightFormat.FP8_BLOCK, "deepgemm")
     with pytest.raises(
         ValueError, match="first prepare\\(\\) must cover all 4 local experts, got 1"
