@@ -151,7 +151,9 @@ BAD = {
         "has shape (256, 64), expected (256, 128)",
     ),
     "unknown model type": (
-        lambda p: _config(p, model_type="mixtral", architectures=["MixtralForCausalLM"]),
+        lambda p: _config(
+            p, model_type="mixtral", architectures=["MixtralForCausalLM"], text_config={}
+        ),
         "no installed megamoe adapter handles model_type='mixtral' "
         "(architectures=['MixtralForCausalLM']); installed: glm5next, qwen4exp",
     ),

@@ -32,6 +32,7 @@ class ToyConfig:
     quantization_config: Mapping[str, Any] | None
     num_experts_per_tok: int = 2
     num_nextn_predict_layers: int = 0
+    swiglu_limit: float | None = None
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> ToyConfig:
@@ -103,7 +104,12 @@ class ToyAdapter(ModelAdapter):
     def expert_prefixes(self, layer: MoELayer) -> tuple[str, ...]:
         return (f"{layer.prefix}.experts", f"{layer.prefix}.shared_experts")
 
-    def converted_config(self, config: Mapping[str, Any], fmt: WeightFormat) -> dict[str, Any]:
+    def mtp_block_prefix(self, config: Any, decoder: str, index: int) -> str:
+        return f"mtp.layers.{index}.mlp"
+
+    def converted_config(
+        self, config: Mapping[str, Any], fmt: WeightFormat, layers: Any = None
+    ) -> dict[str, Any]:
         new = {k: v for k, v in config.items() if k != "toy_fused"}
         new["quantization_config"] = dict(TOY_QUANT[fmt])
         return new

@@ -32,6 +32,7 @@ class Dims:
     num_routed_experts: int = 8
     num_experts_per_tok: int = 2
     quantization_config: Mapping[str, Any] | None = None
+    swiglu_limit: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -124,8 +124,14 @@ def test_kernel_parameters_in_canonical_form(run_format: WeightFormat):
 
 def test_kernel_tag_describes_itself():
     t = KernelTag.for_format(WeightFormat.FP8_BLOCK, 1)
-    assert t.describe() == "fp8_block (128x128, 1 shared)"
-    assert KernelTag.for_format(WeightFormat.BF16).describe() == "bf16 (no scale, 0 shared)"
+    assert t.describe() == "fp8_block (128x128, 1 shared, no clamp)"
+    assert (
+        KernelTag.for_format(WeightFormat.BF16).describe() == "bf16 (no scale, 0 shared, no clamp)"
+    )
+    clamped = KernelTag.for_format(WeightFormat.MXFP8, 0, 7.5)
+    assert clamped.describe() == "mxfp8 (1x32, 0 shared, clamp 7.5)"
+    assert clamped != KernelTag.for_format(WeightFormat.MXFP8)
+    assert clamped.buffer_tag == KernelTag.for_format(WeightFormat.MXFP8)
     x = torch.zeros(1)
     with pytest.raises(FormatMismatchError, match=r"layer: x is tagged no tag, .* fp8_block"):
         check_tags(t, {"x": x}, "layer")
@@ -443,10 +449,10 @@ def test_source_tensors_are_not_kept_alive():
     ("checkpoint_format", "name", "message"),
     [
         (WeightFormat.FP8_BLOCK, "0.gate_proj.bias",
-         r"unexpected expert tensor '0.gate_proj.bias'; expected "
+         r"unexpected fp8_block expert tensor '0.gate_proj.bias'; expected "
          r"\{expert\}.\{gate,up,down\}_proj.\{weight,weight_scale_inv\}"),
         (WeightFormat.FP8_BLOCK, "0.gate_proj.weight_scale", r"'0.gate_proj.weight_scale'"),
-        (WeightFormat.BF16, "gate_up_proj", r"unexpected expert tensor 'gate_up_proj'"),
+        (WeightFormat.FP8_BLOCK, "gate_up_proj", r"fused gate_up_proj / down_proj are BF16 only"),
         (WeightFormat.MXFP8, "0.gate_proj.weight_packed", r"'0.gate_proj.weight_packed'"),
         (WeightFormat.BF16, "shared_expert.gate_proj.weight", r"'shared_expert.gate_proj"),
         (WeightFormat.BF16, "4.gate_proj.weight", r"expert id 4 is out of range \[0, "),
@@ -586,7 +592,10 @@ def test_forward_with_kernel_tensors_of_another_format():
     m.finalize()
     other = build(WeightFormat.MXFP4, WeightFormat.MXFP4)
     m.w2_weight_scale = other.w2_weight_scale  # same shape and dtype, another format's tag
-    mismatch = r"w2_weight_scale is tagged mxfp4 \(1x32, 0 shared\), but this forward runs mxfp8"
+    mismatch = (
+        r"w2_weight_scale is tagged mxfp4 \(1x32, 0 shared, no clamp\), but this forward runs "
+        r"mxfp8"
+    )
     with pytest.raises(FormatMismatchError, match=mismatch):
         m(*routing(2, 4))
     m.w2_weight_scale = torch.nn.Parameter(other.w2_weight_scale.data, requires_grad=False)

@@ -66,6 +66,7 @@ class SparseConfig:
     num_hidden_layers: int
     num_nextn_predict_layers: int
     quantization_config: Mapping[str, Any] | None
+    swiglu_limit: float | None = None
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> SparseConfig:
@@ -98,6 +99,9 @@ class SparseAdapter(ModelAdapter):
         self, reader: Any, layer: MoELayer, hidden_states: torch.Tensor
     ) -> torch.Tensor:
         raise NotImplementedError("not needed here")
+
+    def mtp_block_prefix(self, config: Any, decoder: str, index: int) -> str:
+        return f"mtp.layers.{index}.mlp"
 
     def synthetic_config(self, fmt: WeightFormat, sizes: SyntheticSizes) -> dict[str, Any]:
         raise NotImplementedError("not needed here")

@@ -23,6 +23,7 @@ from megamoe.core.formats import WeightFormat
 from megamoe.core.parallel import ParallelSettings
 from megamoe.core.quant_config import detect_expert_format
 from megamoe.glm5next import ADAPTER, Glm5NextAdapter
+from megamoe.glm5next.config import Glm5NextConfig
 
 FP8, MX, BF16 = WeightFormat.FP8_BLOCK, WeightFormat.MXFP8, WeightFormat.BF16
 PACKAGE_SRC = Path(__file__).resolve().parents[1] / "src" / "megamoe" / "glm5next"
@@ -31,32 +32,62 @@ NOT_POW2 = "ignore:.*not powers of two:UserWarning"
 Checkpoint = Callable[[WeightFormat], Path]
 
 
-def _config(**overrides: Any) -> dict[str, Any]:
+def _config(**text_changes: Any) -> dict[str, Any]:
+    """The synthetic composite config; ``quantization_config`` stays at the top level."""
     config = ADAPTER.synthetic_config(FP8, SyntheticSizes(num_layers=3))
-    config.update(overrides)
+    if "quantization_config" in text_changes:
+        config["quantization_config"] = text_changes.pop("quantization_config")
+    config["text_config"] = {**config["text_config"], **text_changes}
     return config
 
 
-def test_moe_layers_skip_dense_layers_and_list_mtp_layers() -> None:
-    layers = ADAPTER.moe_layers(_config(first_k_dense_replace=2, num_nextn_predict_layers=2))
-    assert [(m.prefix, m.is_mtp) for m in layers] == [
-        ("model.layers.2.mlp", False),
-        ("model.layers.3.mlp", False),
-        ("mtp.layers.0.mlp", True),
-        ("mtp.layers.1.mlp", True),
+def test_moe_layers_follow_mlp_layer_types_then_mtp_layers() -> None:
+    layers = ADAPTER.moe_layers(
+        _config(mlp_layer_types=["dense", "sparse", "dense", "sparse"], num_nextn_predict_layers=2)
+    )
+    assert [(m.index, m.prefix, m.is_mtp) for m in layers] == [
+        (1, "model.language_model.layers.1.mlp", False),
+        (3, "model.language_model.layers.3.mlp", False),
+        (0, "model.language_model.layers.4.mlp", True),
+        (1, "model.language_model.layers.5.mlp", True),
     ]
     assert {m.checkpoint_format for m in layers} == {FP8}
-    every_other = ADAPTER.moe_layers(_config(first_k_dense_replace=1, moe_layer_freq=2))
-    assert [m.prefix for m in every_other if not m.is_mtp] == ["model.layers.2.mlp"]
+    # The default when mlp_layer_types is absent: three dense layers, then sparse ones; a
+    # stale first_k_dense_replace is ignored (as transformers ignores it).
+    default = ADAPTER.moe_layers(_config(mlp_layer_types=None, first_k_dense_replace=1))
+    assert [m.prefix for m in default if not m.is_mtp] == ["model.language_model.layers.3.mlp"]
+
+
+def test_moe_layers_of_deepseek_v3_and_glm45_follow_first_k_dense_replace() -> None:
+    text = {k: v for k, v in _config()["text_config"].items() if k != "mlp_layer_types"}
+    for family, arch in (
+        ("deepseek_v3", "DeepseekV3ForCausalLM"),
+        ("glm4_moe", "Glm4MoeForCausalLM"),
+    ):
+        flat = {**text, "model_type": family, "architectures": [arch], "first_k_dense_replace": 2}
+        layers = ADAPTER.moe_layers(flat)
+        assert [(m.prefix, m.is_mtp) for m in layers] == [
+            ("model.layers.2.mlp", False),
+            ("model.layers.3.mlp", False),
+            ("model.layers.4.mlp", True),
+        ]
+        assert Glm5NextConfig.from_dict(flat).swiglu_limit is None
 
 
 def test_moe_layers_refuse_an_unknown_quantization_by_name() -> None:
-    with pytest.raises(NotImplementedError, match=r"model.layers.1.mlp.experts: .*'awq'"):
+    with pytest.raises(
+        NotImplementedError, match=r"model.language_model.layers.1.mlp.experts: .*'awq'"
+    ):
         ADAPTER.moe_layers(_config(quantization_config={"quant_method": "awq"}))
 
 
 def test_claims_by_model_type_or_architecture() -> None:
     assert ADAPTER.claims({"model_type": "glm5next"})
+    assert ADAPTER.claims({"model_type": "glm5_next"})
+    assert ADAPTER.claims({"model_type": "other", "text_config": {"model_type": "glm5_next_text"}})
+    assert ADAPTER.claims({"model_type": "deepseek_v3"})
+    assert ADAPTER.claims({"model_type": "glm4_moe"})
+    assert ADAPTER.claims({"architectures": ["Glm5NextForConditionalGeneration"]})
     assert ADAPTER.claims({"architectures": ["Glm5NextForCausalLM"]})
     assert not ADAPTER.claims({"model_type": "qwen4_exp", "architectures": ["Other"]})
     assert isinstance(adapter_for({"model_type": "glm5next"}), Glm5NextAdapter)
@@ -167,7 +198,7 @@ def test_loads_and_runs_with_qwen4exp_unimportable(glm_checkpoint: Checkpoint) -
         parallel = ParallelSettings(ep_group=single_rank_group("cpu"))
         block = ADAPTER.build_block(reader.config, reader.layers[0], parallel=parallel)
         block.load_from_checkpoint(reader)
-        x = torch.randn(4, reader.config["hidden_size"]).to(torch.bfloat16)
+        x = torch.randn(4, reader.config["text_config"]["hidden_size"]).to(torch.bfloat16)
         assert torch.isfinite(block(x).float()).all()
         assert not any(m.startswith("megamoe.qwen4exp") for m in sys.modules)
         print("ok")

@@ -31,7 +31,7 @@ from megamoe.core.testing import synthetic_dense, synthetic_expert_tensors
 from megamoe.glm5next import ADAPTER, Glm5NextMegaMoeBlock
 
 FP8, MX = WeightFormat.FP8_BLOCK, WeightFormat.MXFP8
-PREFIX = "model.layers.1.mlp"
+PREFIX = "model.language_model.layers.1.mlp"
 PROJS = ("gate_proj", "up_proj", "down_proj")
 NOT_POW2 = "ignore:.*not powers of two:UserWarning"
 
@@ -77,16 +77,18 @@ def _route64(
     allowed = [e for g in groups for e in range(g * per, (g + 1) * per)]
     chosen = sorted(allowed, key=lambda e: (-biased[e], e))[: cfg["num_experts_per_tok"]]
     weights = [scores[e] for e in chosen]
-    total = sum(weights) if cfg["norm_topk_prob"] else 1.0
+    total = sum(weights) + 1e-20 if cfg["norm_topk_prob"] else 1.0
     return [
         (e, w / total * cfg["routed_scaling_factor"]) for e, w in zip(chosen, weights, strict=True)
     ]
 
 
 def _mlp64(
-    x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+    x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, limit: float
 ) -> torch.Tensor:
-    return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
+    """GLM's clamped SwiGLU MLP: gate <= limit, -limit <= up <= limit, before silu."""
+    g, u = (x @ gate.T).clamp(max=limit), (x @ up.T).clamp(-limit, limit)
+    return (F.silu(g) * u) @ down.T
 
 
 def _reference64(
@@ -97,9 +99,10 @@ def _reference64(
 ) -> tuple[torch.Tensor, list[list[int]]]:
     """Float64 layer output and each token's chosen experts."""
     x64 = x.double()
+    limit = cfg.get("swiglu_limit", 10.0)
     scores = torch.sigmoid(x64 @ tensors["gate.weight"].double().T)
     bias = tensors["gate.e_score_correction_bias"].double().tolist()
-    out = _mlp64(x64, *(dense(tensors, f"shared_experts.{p}") for p in PROJS))
+    out = _mlp64(x64, *(dense(tensors, f"shared_experts.{p}") for p in PROJS), limit)
     experts = {
         e: [dense(tensors, f"experts.{e}.{p}") for p in PROJS]
         for e in range(cfg["n_routed_experts"])
@@ -109,7 +112,7 @@ def _reference64(
         route = _route64(cfg, scores[t].tolist(), bias)
         chosen.append([e for e, _ in route])
         for e, w in route:
-            out[t] += w * _mlp64(x64[t : t + 1], *experts[e])[0]
+            out[t] += w * _mlp64(x64[t : t + 1], *experts[e], limit)[0]
     return out, chosen
 
 
@@ -139,7 +142,7 @@ def test_fp8_block_run_matches_float64_reference(
     path = glm_checkpoint(FP8)
     block = _loaded(path, parallel)  # reference target: block-FP8 runs as stored
     assert block.experts.weight_format is FP8 and not block.fused_shared
-    cfg = json.loads((path / "config.json").read_text())
+    cfg = json.loads((path / "config.json").read_text())["text_config"]
     want, chosen = _reference64(cfg, _read_all(path, PREFIX), tokens)
     _, ids = block.gate(tokens)
     assert ids.tolist() == chosen
@@ -154,7 +157,7 @@ def test_mxfp8_run_matches_float64_references(
     path = glm_checkpoint(FP8)
     block = _loaded(path, parallel, moe_format="mxfp8")
     assert block.experts.weight_format is MX and block.fused_shared
-    cfg = json.loads((path / "config.json").read_text())
+    cfg = json.loads((path / "config.json").read_text())["text_config"]
     tensors = _read_all(path, PREFIX)
     out = block(tokens)
     original, _ = _reference64(cfg, tensors, tokens)
@@ -215,12 +218,13 @@ def _pow2_layer(cfg: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
 def test_fused_and_separate_shared_expert_compute_the_same_function(
     glm_checkpoint: Checkpoint, parallel: ParallelSettings, tokens: torch.Tensor
 ) -> None:
-    cfg = json.loads((glm_checkpoint(FP8) / "config.json").read_text())
+    config = json.loads((glm_checkpoint(FP8) / "config.json").read_text())
+    cfg = config["text_config"]
     tensors = _pow2_layer(cfg)
     outputs = {}
     for fuse in (True, False):
         block = Glm5NextMegaMoeBlock(
-            cfg, prefix=PREFIX, parallel=parallel, moe_format="mxfp8", backend="reference",
+            config, prefix=PREFIX, parallel=parallel, moe_format="mxfp8", backend="reference",
             fuse_shared=fuse,
         )  # fmt: skip
         assert block.fused_shared is fuse

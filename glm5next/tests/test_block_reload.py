@@ -25,7 +25,7 @@ SIZES = SyntheticSizes(
     shared_intermediate_size=128,
 )  # fmt: skip
 FP8, MX = WeightFormat.FP8_BLOCK, WeightFormat.MXFP8
-PREFIX = "model.layers.1.mlp"
+PREFIX = "model.language_model.layers.1.mlp"
 NAN_SCALE = "experts.1.down_proj.weight_scale_inv"
 DENSE_PARAMS = ("gate.weight", "gate.e_score_correction_bias")
 Tensors = dict[str, torch.Tensor]

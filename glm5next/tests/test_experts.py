@@ -22,7 +22,7 @@ from megamoe.glm5next import Glm5NextMegaMoEExperts
 FP8, MX = WeightFormat.FP8_BLOCK, WeightFormat.MXFP8
 E, H, INTER = 6, 256, 128  # experts, hidden, intermediate
 PROJS = ("gate_proj", "up_proj", "down_proj")
-PREFIX = "model.layers.1.mlp.experts"
+PREFIX = "model.language_model.layers.1.mlp.experts"
 NOT_POW2 = "ignore:.*not powers of two:UserWarning"
 
 pytestmark = pytest.mark.filterwarnings(NOT_POW2)

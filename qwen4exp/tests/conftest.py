@@ -97,7 +97,8 @@ class Float64Oracle:
     """A checkpoint's MoE layers in float64, straight from its safetensors files."""
 
     def __init__(self, path: Path) -> None:
-        self.config = json.loads((path / "config.json").read_text())
+        raw = json.loads((path / "config.json").read_text())
+        self.config = raw.get("text_config", raw)  # the MoE keys of a composite config
         index = path / "model.safetensors.index.json"
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         self.num_files = len(files)

@@ -26,12 +26,17 @@ SIZES = SyntheticSizes(
     shared_intermediate_size=128,
 )  # fmt: skip
 H, E = SIZES.hidden_size, SIZES.num_experts
-PREFIX = "model.layers.0.mlp"
+PREFIX = "model.language_model.layers.0.mlp"
 CheckpointFactory = Callable[[WeightFormat, bool, SyntheticSizes], Path]
 
 
 def config(fmt: WeightFormat = WeightFormat.BF16, **changes: Any) -> dict[str, Any]:
-    return {**ADAPTER.synthetic_config(fmt, SIZES), **changes}
+    """The synthetic composite config with ``changes`` to its text model's keys
+    (``quantization_config`` stays at the top level, where transformers writes it)."""
+    base = ADAPTER.synthetic_config(fmt, SIZES)
+    quant = changes.pop("quantization_config", base.get("quantization_config"))
+    text = {**base["text_config"], **changes}
+    return {**base, "text_config": text, **({"quantization_config": quant} if quant else {})}
 
 
 def block_of(parallel: ParallelSettings, **kwargs: Any) -> Qwen4ExpMegaMoeBlock:
@@ -192,7 +197,7 @@ def test_unsupported_quantization_names_format_and_prefix(parallel: ParallelSett
     awq = config(quantization_config={"quant_method": "awq", "bits": 4})
     with pytest.raises(NotImplementedError, match=rf"{PREFIX}\.experts: .*quant_method='awq'"):
         block_of(parallel, cfg=awq)
-    with pytest.raises(NotImplementedError, match=r"model\.layers\.0\.mlp\.experts.*\[64, 64\]"):
+    with pytest.raises(NotImplementedError, match=rf"{PREFIX}\.experts.*\[64, 64\]"):
         ADAPTER.moe_layers(
             config(quantization_config={"quant_method": "fp8", "weight_block_size": [64, 64]})
         )
@@ -219,8 +224,12 @@ def test_adapter_identity_and_entry_point() -> None:
     assert isinstance(ADAPTER, Qwen4ExpAdapter)
     assert (ADAPTER.name, ADAPTER.distribution) == ("qwen4exp", "megamoe-qwen4exp")
     assert ADAPTER.claims({"model_type": "qwen4_exp"})
+    assert ADAPTER.claims({"model_type": "qwen4_exp_text"})
+    assert ADAPTER.claims({"model_type": "qwen3_next"})
+    assert ADAPTER.claims({"architectures": ["Qwen4ExpForConditionalGeneration"]})
     assert ADAPTER.claims({"architectures": ["Qwen4ExpForCausalLM"]})
     assert not ADAPTER.claims({"model_type": "glm5next"})
+    assert not ADAPTER.claims({"model_type": "glm5_next"})
     assert set(ADAPTER.checkpoint_formats) == set(WeightFormat)
     points = md.entry_points(group="megamoe.adapters", name="qwen4exp")
     for point in points:  # present once the distribution is installed
@@ -228,11 +237,48 @@ def test_adapter_identity_and_entry_point() -> None:
         assert point.load() is ADAPTER
 
 
-def test_moe_layers_follow_sparse_step_mlp_only_and_mtp() -> None:
-    cfg = config(
-        WeightFormat.FP8_BLOCK, num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3],
-        num_nextn_predict_layers=2,
-    )  # fmt: skip
+def test_moe_layers_of_qwen4exp_are_every_layer_then_mtp() -> None:
+    cfg = config(num_hidden_layers=3, mtp_num_hidden_layers=2, decoder_sparse_step=2)
+    assert [(m.prefix, m.is_mtp) for m in ADAPTER.moe_layers(cfg)] == [
+        ("model.language_model.layers.0.mlp", False),
+        ("model.language_model.layers.1.mlp", False),
+        ("model.language_model.layers.2.mlp", False),
+        ("mtp.layers.0.mlp", True),
+        ("mtp.layers.1.mlp", True),
+    ]
+    # A text-only save (flat config) keeps its layers at model.layers.
+    flat = {**cfg["text_config"], "architectures": ["Qwen4ExpForCausalLM"]}
+    assert ADAPTER.moe_layers(flat)[0].prefix == "model.layers.0.mlp"
+
+
+def test_moe_layers_follow_the_checkpoint_tensors(caplog: pytest.LogCaptureFixture) -> None:
+    cfg = config(num_hidden_layers=2, mtp_num_hidden_layers=1)
+    # A composite config over a text-only tensor layout, and no MTP tensors (what
+    # transformers' save_pretrained writes): the tensors decide, and that is said once.
+    names = ["model.layers.0.mlp.gate.weight", "model.layers.1.mlp.experts.0.up_proj.weight"]
+    with caplog.at_level("WARNING", logger="megamoe"):
+        layers = ADAPTER.moe_layers(cfg, names)
+        ADAPTER.moe_layers(cfg, names)
+    assert [m.prefix for m in layers] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    told = [r.getMessage() for r in caplog.records if "MTP" in r.getMessage()]
+    assert len(told) == 1 and "declares 1 MTP layer(s) but holds the experts of 0" in told[0]
+    held = [*names, "mtp.layers.0.mlp.experts.0.up_proj.weight"]
+    assert ADAPTER.moe_layers(cfg, held)[-1].prefix == "mtp.layers.0.mlp"
+
+
+def test_moe_layers_of_qwen3_next_follow_sparse_step_mlp_only_and_mtp() -> None:
+    base = config(WeightFormat.FP8_BLOCK)
+    cfg = {
+        **base["text_config"],
+        "model_type": "qwen3_next",
+        "architectures": ["Qwen3NextForCausalLM"],
+        "num_hidden_layers": 6,
+        "decoder_sparse_step": 2,
+        "mlp_only_layers": [3],
+        "num_nextn_predict_layers": 2,
+        "quantization_config": base["quantization_config"],
+    }
+    del cfg["mtp_num_hidden_layers"]
     layers = ADAPTER.moe_layers(cfg)
     assert [(m.prefix, m.is_mtp) for m in layers] == [
         ("model.layers.1.mlp", False),

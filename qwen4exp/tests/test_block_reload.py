@@ -22,7 +22,7 @@ SIZES = SyntheticSizes(
     shared_intermediate_size=128,
 )  # fmt: skip
 FP8 = WeightFormat.FP8_BLOCK  # the shared expert is dequantized on load: the staged path
-PREFIX = "model.layers.0.mlp"
+PREFIX = "model.language_model.layers.0.mlp"
 DENSE = ("gate.weight", "shared_expert_gate.weight")
 NAN_SCALE = "experts.1.down_proj.weight_scale_inv"
 Tensors = dict[str, torch.Tensor]

@@ -185,7 +185,7 @@ def test_block_fp8_on_sm100_is_requantized_with_one_warning(
 ) -> None:
     monkeypatch.setattr(formats, "_warned", set())
     config = CheckpointReader(qwen_checkpoint(WeightFormat.FP8_BLOCK, False, SIZES)).config
-    prefix = "model.layers.0.mlp"
+    prefix = "model.language_model.layers.0.mlp"
 
     def build(**kwargs: object) -> Qwen4ExpMegaMoeBlock:
         return Qwen4ExpMegaMoeBlock(
@@ -209,8 +209,8 @@ def test_forced_format_the_target_cannot_run_is_refused(
     config = CheckpointReader(qwen_checkpoint(WeightFormat.BF16, False, SIZES)).config
     with pytest.raises(ValueError, match=r"moe_format='mxfp8' cannot run on sm90"):
         Qwen4ExpMegaMoeBlock(
-            config, prefix="model.layers.0.mlp", parallel=parallel, moe_format="mxfp8",
-            arch="sm90", backend="reference",
+            config, prefix="model.language_model.layers.0.mlp", parallel=parallel,
+            moe_format="mxfp8", arch="sm90", backend="reference",
         )  # fmt: skip
 
 
@@ -233,6 +233,8 @@ def test_checkpoint_reads_only_this_layer(
 
     monkeypatch.setattr(reader, "iter_tensors", spy)
     block.load_from_checkpoint(reader)
-    layer_names = [n for n in reader.tensor_names() if n.startswith("model.layers.0.mlp.")]
+    layer_names = [
+        n for n in reader.tensor_names() if n.startswith("model.language_model.layers.0.mlp.")
+    ]
     assert sorted(seen) == layer_names
     assert isinstance(parallel.ep_group, dist.ProcessGroup)

@@ -28,15 +28,57 @@ def test_defaults_and_values() -> None:
     assert config.decoder_sparse_step == 1
     assert config.num_nextn_predict_layers == 0
     assert config.quantization_config is None
+    assert config.swiglu_limit is None
     assert [config.is_moe_layer(i) for i in range(4)] == [True] * 4
 
 
-def test_sparse_step_and_mlp_only_layers() -> None:
+def test_missing_keys_take_transformers_defaults() -> None:
+    qwen4 = Qwen4ExpConfig.from_dict({"model_type": "qwen4_exp_text"})
+    assert (qwen4.hidden_size, qwen4.num_hidden_layers, qwen4.num_experts) == (2048, 40, 512)
+    assert (qwen4.num_experts_per_tok, qwen4.moe_intermediate_size) == (10, 512)
+    assert qwen4.shared_expert_intermediate_size == 512
+    assert Qwen4ExpConfig.from_dict({"model_type": "qwen3_next"}).num_hidden_layers == 48
+
+
+def test_composite_config_reads_text_config_and_top_level_quantization() -> None:
+    quant = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    text = {k: v for k, v in BASE.items() if k != "model_type"}
+    composite = {
+        "model_type": "qwen4_exp",
+        "architectures": ["Qwen4ExpForConditionalGeneration"],
+        "hidden_size": 9999,  # a stale top-level copy: text_config wins, as in transformers
+        "text_config": {**text, "model_type": "qwen4_exp_text", "mtp_num_hidden_layers": 1},
+        "quantization_config": quant,
+    }
+    config = Qwen4ExpConfig.from_dict(composite)
+    assert (config.hidden_size, config.num_experts, config.num_nextn_predict_layers) == (256, 8, 1)
+    assert config.quantization_config == quant
+    nested = {
+        **composite,
+        "text_config": {**composite["text_config"], "quantization_config": quant},
+    }
+    del nested["quantization_config"]
+    assert Qwen4ExpConfig.from_dict(nested).quantization_config == quant
+
+
+def test_qwen3_next_follows_sparse_step_and_mlp_only_layers() -> None:
     config = Qwen4ExpConfig.from_dict(
-        {**BASE, "decoder_sparse_step": 2, "mlp_only_layers": [3], "norm_topk_prob": False}
+        {
+            **BASE,
+            "model_type": "qwen3_next",
+            "decoder_sparse_step": 2,
+            "mlp_only_layers": [3],
+            "norm_topk_prob": False,
+        }
     )
     assert [config.is_moe_layer(i) for i in range(4)] == [False, True, False, False]
     assert config.norm_topk_prob is False
+
+
+def test_qwen4exp_ignores_stale_sparse_step_keys() -> None:
+    # Qwen4ExpTextDecoderLayer always builds the sparse block: transformers ignores them.
+    config = Qwen4ExpConfig.from_dict({**BASE, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    assert [config.is_moe_layer(i) for i in range(4)] == [True] * 4
 
 
 def test_from_json_reads_file_and_directory(tmp_path: Path) -> None:
@@ -54,16 +96,23 @@ def test_from_json_reads_file_and_directory(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"hidden_size": None}, r"config\.json: 'hidden_size' is missing"),
+        ({"hidden_size": "256"}, r"config\.json: hidden_size='256' must be an integer >= 1"),
         ({"num_experts": 0}, r"config\.json: num_experts=0 must be an integer >= 1"),
         ({"moe_intermediate_size": 12.5}, r"moe_intermediate_size=12\.5 must be an integer >= 1"),
         ({"num_experts_per_tok": True}, r"num_experts_per_tok=True must be an integer >= 1"),
         ({"num_experts_per_tok": 9}, r"num_experts_per_tok=9 exceeds num_experts=8"),
-        ({"decoder_sparse_step": 0}, r"decoder_sparse_step=0 must be an integer >= 1"),
+        (
+            {"model_type": "qwen3_next", "decoder_sparse_step": 0},
+            r"decoder_sparse_step=0 must be an integer >= 1",
+        ),
         ({"norm_topk_prob": "yes"}, r"norm_topk_prob='yes' must be true or false"),
-        ({"mlp_only_layers": [4]}, r"mlp_only_layers=\[4\] must list layer indices in \[0, "),
-        ({"mlp_only_layers": "0"}, r"mlp_only_layers='0'"),
+        (
+            {"model_type": "qwen3_next", "mlp_only_layers": [4]},
+            r"mlp_only_layers=\[4\] must list layer indices in \[0, ",
+        ),
+        ({"model_type": "qwen3_next", "mlp_only_layers": "0"}, r"mlp_only_layers='0'"),
         ({"num_nextn_predict_layers": -1}, r"num_nextn_predict_layers=-1 must be an integer >= 0"),
+        ({"mtp_num_hidden_layers": 1.5}, r"mtp_num_hidden_layers=1\.5 must be an integer >= 0"),
         (
             {"quantization_config": "fp8"},
             r"quantization_config='fp8' must be an object .*, got str",

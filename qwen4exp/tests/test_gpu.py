@@ -47,7 +47,7 @@ SIZES = SyntheticSizes(
     shared_intermediate_size=1024,
 )  # fmt: skip
 TOKENS = 256
-PREFIX = "model.layers.0.mlp"
+PREFIX = "model.language_model.layers.0.mlp"
 CheckpointFactory = Callable[[WeightFormat, bool, SyntheticSizes], Path]
 RelErr = Callable[[torch.Tensor, torch.Tensor], float]
 

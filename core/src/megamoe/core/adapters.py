@@ -8,7 +8,8 @@ checkpoint reader and the CLI find them here.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Iterator, Mapping
+import logging
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -18,7 +19,7 @@ import torch
 from megamoe.core.block_setup import EXPERTS
 from megamoe.core.expert_names import TensorSpec, expert_tensor_spec, parse_expert_name
 from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
-from megamoe.core.hf_config import MoEConfig
+from megamoe.core.hf_config import MoEConfig, is_composite, quantization_config
 from megamoe.core.parallel import ParallelSettings
 from megamoe.core.quant_config import detect_expert_format, mark_converted
 
@@ -26,9 +27,29 @@ if TYPE_CHECKING:
     from megamoe.core.checkpoint import CheckpointReader
     from megamoe.core.experts import MegaMoEExperts
 
+logger = logging.getLogger("megamoe")
+
 ENTRY_POINT_GROUP = "megamoe.adapters"
-MAIN_LAYER_PREFIX = "model.layers.{}.mlp"  # MoE block of main-model decoder layer {}
-MTP_LAYER_PREFIX = "mtp.layers.{}.mlp"  # MoE block of MTP drafter layer {}
+# Decoder layers of the text model: composite (vision-language) saves nest the text tower
+# under ``model.language_model``; text-only saves keep it at ``model``.
+COMPOSITE_DECODER = "model.language_model.layers"
+TEXT_DECODER = "model.layers"
+MLP = "mlp"  # module name of a decoder layer's MLP (the MoE block in sparse layers)
+_told_missing_mtp: set[tuple[str, int, int]] = set()
+
+
+def decoder_prefix(config: Mapping[str, Any], tensor_names: Collection[str] | None = None) -> str:
+    """The tensor prefix of the decoder layers, ``model.language_model.layers`` or ``model.layers``.
+
+    With the checkpoint's tensor names, the one that holds tensors (a composite config may
+    come with a text-only save and the other way round); else the config's shape decides.
+    """
+    if tensor_names is not None:
+        for candidate in (COMPOSITE_DECODER, TEXT_DECODER):
+            head = f"{candidate}."
+            if any(name.startswith(head) for name in tensor_names):
+                return candidate
+    return COMPOSITE_DECODER if is_composite(config) else TEXT_DECODER
 
 
 @dataclass(frozen=True)
@@ -153,10 +174,27 @@ class ModelAdapter(abc.ABC):
     block_class: ClassVar[type[MoEBlock]]  # what build_block constructs
 
     def claims(self, config: Mapping[str, Any]) -> bool:
-        """Whether this adapter handles a checkpoint with this ``config.json``."""
-        if config.get("model_type") in self.model_types:
+        """Whether this adapter handles a checkpoint with this ``config.json``.
+
+        The top-level ``model_type`` or ``architectures`` decide; a composite config's
+        ``text_config.model_type`` counts too.
+        """
+        types = {config.get("model_type")}
+        if is_composite(config):
+            types.add(config["text_config"].get("model_type"))
+        if types & set(self.model_types):
             return True
         return any(arch in self.architectures for arch in config.get("architectures") or ())
+
+    @abc.abstractmethod
+    def mtp_block_prefix(self, config: MoEConfig, decoder: str, index: int) -> str:
+        """The tensor prefix of MTP drafter layer ``index``'s MoE block.
+
+        Args:
+            config: the parsed config.
+            decoder: the decoder layers' prefix (see ``decoder_prefix``).
+            index: the drafter layer, from 0.
+        """
 
     def parse_config(self, config: Mapping[str, Any]) -> MoEConfig:
         """``config.json`` parsed and validated by ``config_class.from_dict``.
@@ -167,12 +205,22 @@ class ModelAdapter(abc.ABC):
         """
         return self.config_class.from_dict(config)
 
-    def moe_layers(self, config: Mapping[str, Any]) -> list[MoELayer]:
+    def moe_layers(
+        self, config: Mapping[str, Any], tensor_names: Collection[str] | None = None
+    ) -> list[MoELayer]:
         """Every MoE layer of the checkpoint with the format of its routed experts.
 
-        ``model.layers.{i}.mlp`` for each main-model layer ``i`` the config marks as MoE
-        (``MoEConfig.is_moe_layer``), then ``mtp.layers.{j}.mlp`` (``is_mtp=True``) for each
-        of the ``num_nextn_predict_layers`` MTP drafter layers.
+        ``{decoder}.{i}.mlp`` for each main-model layer ``i`` the config marks as MoE
+        (``MoEConfig.is_moe_layer``; ``decoder`` from ``decoder_prefix``), then the
+        ``num_nextn_predict_layers`` MTP drafter layers at ``mtp_block_prefix``
+        (``is_mtp=True``). Given the checkpoint's tensor names, MTP layers the config
+        declares but the checkpoint does not hold (what transformers' ``save_pretrained``
+        writes: it never saves MTP layers) are left out, and that is logged once.
+
+        Args:
+            config: the parsed ``config.json``.
+            tensor_names: every tensor name of the checkpoint; None decides from the
+                config alone.
 
         Raises:
             ValueError: an invalid config key (named).
@@ -180,14 +228,32 @@ class ModelAdapter(abc.ABC):
                 the layer prefix.
         """
         cfg = self.parse_config(config)
+        decoder = decoder_prefix(config, tensor_names)
         found = [
-            (i, MAIN_LAYER_PREFIX.format(i), False)
+            (i, f"{decoder}.{i}.{MLP}", False)
             for i in range(cfg.num_hidden_layers)
             if cfg.is_moe_layer(i)
         ]
-        found += [
-            (j, MTP_LAYER_PREFIX.format(j), True) for j in range(cfg.num_nextn_predict_layers)
+        declared = [
+            (j, self.mtp_block_prefix(cfg, decoder, j), True)
+            for j in range(cfg.num_nextn_predict_layers)
         ]
+        held = declared
+        if tensor_names is not None:
+            heads = {p: f"{p}.{EXPERTS}." for _, p, _ in declared}
+            held = [m for m in declared if any(n.startswith(heads[m[1]]) for n in tensor_names)]
+        if len(held) < len(declared):
+            key = (self.name, len(declared), len(held))
+            if key not in _told_missing_mtp:
+                _told_missing_mtp.add(key)
+                logger.warning(
+                    "%s checkpoint declares %d MTP layer(s) but holds the experts of %d "
+                    "(e.g. no tensors under %s.*): loading the layers it holds",
+                    self.name,
+                    len(declared),
+                    len(held),
+                    next(p for _, p, _ in declared if all(p != h[1] for h in held)),
+                )
         return [
             MoELayer(
                 index=index,
@@ -199,7 +265,7 @@ class ModelAdapter(abc.ABC):
                 ),
                 is_mtp=is_mtp,
             )
-            for index, prefix, is_mtp in found
+            for index, prefix, is_mtp in found + held
         ]
 
     def build_block(
@@ -249,17 +315,30 @@ class ModelAdapter(abc.ABC):
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor of a synthetic checkpoint for ``config``, in checkpoint naming."""
 
-    def converted_config(self, config: Mapping[str, Any], fmt: WeightFormat) -> dict[str, Any]:
+    def converted_config(
+        self,
+        config: Mapping[str, Any],
+        fmt: WeightFormat,
+        layers: Iterable[MoELayer] | None = None,
+    ) -> dict[str, Any]:
         """``config.json`` of a checkpoint whose expert groups were converted to ``fmt``.
 
-        The default lists every one of ``expert_prefixes`` of every MoE layer as converted
-        in ``quantization_config`` (see ``megamoe.core.quant_config.mark_converted``); every
-        other module keeps its format.
+        The default lists every one of ``expert_prefixes`` of every converted MoE layer in
+        the top-level ``quantization_config`` (see
+        ``megamoe.core.quant_config.mark_converted``); every other module keeps its format.
+
+        Args:
+            config: the source ``config.json``.
+            fmt: the experts' new format.
+            layers: the converted layers (the checkpoint reader's); None takes
+                ``moe_layers(config)``.
         """
-        prefixes = [p for layer in self.moe_layers(config) for p in self.expert_prefixes(layer)]
+        layers = self.moe_layers(config) if layers is None else layers
+        prefixes = [p for layer in layers for p in self.expert_prefixes(layer)]
         converted = dict(config)
+        # The top level is where transformers looks first (and where it writes the key).
         converted["quantization_config"] = mark_converted(
-            config.get("quantization_config"), fmt, prefixes
+            quantization_config(config), fmt, prefixes
         )
         return converted
 
@@ -301,7 +380,7 @@ class ModelAdapter(abc.ABC):
         Returns:
             The spec, or None for a name this adapter does not check.
         """
-        quant = config.get("quantization_config") or {}
+        quant = quantization_config(config) or {}
         block = tuple(quant.get("weight_block_size") or BLOCK_FP8_DEFAULT)
         return expert_tensor_spec(
             layer.checkpoint_format, name, *self.expert_dims(config), (block[0], block[-1])

@@ -80,6 +80,7 @@ class ExpertPlan:
         backend: the ``backend`` option.
         max_num_tokens: most tokens one forward on this rank may carry.
         emulate_kernel: the ``emulate_kernel`` option.
+        swiglu_limit: the model's SwiGLU clamp (``MoEConfig.swiglu_limit``), None for none.
         process_group: the expert-parallel group.
     """
 
@@ -98,6 +99,7 @@ class ExpertPlan:
     backend: str
     max_num_tokens: int
     emulate_kernel: bool
+    swiglu_limit: float | None = None
     process_group: dist.ProcessGroup | None = field(default=None, compare=False)
 
     @property
@@ -131,6 +133,7 @@ class ExpertPlan:
             device=self.device,
             prefix=self.experts_prefix,
             emulate_kernel=self.emulate_kernel,
+            swiglu_limit=self.swiglu_limit,
             **extra,
         )
 
@@ -219,6 +222,7 @@ def plan_experts(
         backend=backend,
         max_num_tokens=max_num_tokens,
         emulate_kernel=emulate_kernel,
+        swiglu_limit=config.swiglu_limit,
         process_group=parallel.ep_group,
     )
 

@@ -1,7 +1,11 @@
 """Read Hugging Face checkpoint directories tensor by tensor, checking before reading (SPEC §3.6).
 
 A checkpoint is ``config.json`` plus ``model.safetensors`` or shards listed in
-``model.safetensors.index.json``. Every read first checks the safetensors headers of the
+``model.safetensors.index.json``. Routed experts stored fused (``experts.gate_up_proj``
+(E, 2I, H), gate rows first, and ``experts.down_proj`` (E, H, I), as transformers'
+``save_pretrained(save_original_format=False)`` writes them) read as their per-expert
+projections ``experts.{e}.{gate,up,down}_proj.weight``: slices of the fused tensors, so
+a rank reads only its own experts. Every read first checks the safetensors headers of the
 tensors involved (file present and parseable, tensor present, dtype and shape as the
 adapter expects from ``config.json``), so a bad checkpoint fails with an error naming the
 file and tensor before any of its data is read.
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +28,7 @@ from megamoe.core.expert_names import (
     EXPERT_PROJS,
     FUSED_DOWN,
     FUSED_GATE_UP,
+    WEIGHT,
     TensorSpec,
     parse_expert_name,
     parse_single_name,
@@ -85,7 +91,9 @@ class CheckpointReader:
         self._headers: dict[str, dict[str, TensorSpec]] = {}
         self.weight_map = self._read_weight_map()
         self.adapter = adapter
-        self.layers: list[MoELayer] = [] if adapter is None else adapter.moe_layers(self.config)
+        self.layers: list[MoELayer] = (
+            [] if adapter is None else adapter.moe_layers(self.config, self.weight_map.keys())
+        )
         self._expert_layers = {
             prefix: layer
             for layer in self.layers
@@ -270,13 +278,57 @@ class CheckpointReader:
         Raises:
             CheckpointError: see ``check_tensors``, or the file fails to read.
         """
-        self.check_tensors([name])
-        path = self.file_of(name)
+        piece = self.fused_piece(name)
+        stored = name if piece is None else piece.stored
+        self.check_tensors([stored])
+        path = self.file_of(stored)
         try:
             with safe_open(path, framework="pt") as f:
-                return f.get_tensor(name)
+                return _read(f, name, piece)
         except Exception as err:
             raise CheckpointError(f"{path}: reading tensor {name!r} failed ({err})") from None
+
+    def fused_piece(self, name: str) -> FusedPiece | None:
+        """Where per-expert projection ``name`` lies when the checkpoint stores it fused.
+
+        Returns:
+            The fused tensor and the slice of it, or None when ``name`` is stored as it is
+            (or is no routed-expert weight of a fused checkpoint).
+        """
+        if name in self.weight_map:
+            return None
+        found = self.expert_layer(name)
+        parsed = None if found is None else parse_expert_name(found[1])
+        if found is None or parsed is None or parsed.expert is None or parsed.kind != WEIGHT:
+            return None
+        experts_prefix = name[: -len(found[1]) - 1]
+        is_down = parsed.proj == FUSED_DOWN
+        stored = f"{experts_prefix}.{FUSED_DOWN if is_down else FUSED_GATE_UP}"
+        if stored not in self.weight_map:
+            return None
+        shape = self.tensor_spec(stored).shape
+        if len(shape) != 3 or parsed.expert >= shape[0]:
+            return None
+        half = shape[1] // 2
+        rows = (
+            (0, shape[1])
+            if is_down
+            else (0, half)
+            if parsed.proj == "gate_proj"
+            else (half, 2 * half)
+        )
+        return FusedPiece(stored, parsed.expert, rows)
+
+    def _expand_fused(self, name: str) -> list[str]:
+        """The per-expert projection names fused tensor ``name`` holds (empty if not fused)."""
+        found = self.expert_layer(name)
+        parsed = None if found is None else parse_expert_name(found[1])
+        if found is None or parsed is None or not parsed.is_fused:
+            return []
+        experts_prefix = name[: -len(found[1]) - 1]
+        shape = self.tensor_spec(name).shape
+        projs = ("down_proj",) if parsed.proj == FUSED_DOWN else ("gate_proj", "up_proj")
+        return [f"{experts_prefix}.{e}.{proj}.{WEIGHT}" for e in range(shape[0]) for proj in projs]
 
     def iter_tensors(
         self, prefix: str, keep: Callable[[str], bool] | None = None
@@ -298,20 +350,50 @@ class CheckpointReader:
         """
         head = prefix + "."
         by_file: dict[str, list[str]] = {}
+        stored: list[str] = []
         for name, file in self.weight_map.items():
-            if name.startswith(head) and (keep is None or keep(name[len(head) :])):
-                by_file.setdefault(file, []).append(name)
-        self.check_tensors(name for names in by_file.values() for name in names)
+            if not name.startswith(head):
+                continue
+            pieces = self._expand_fused(name) or [name]
+            kept = [p for p in pieces if keep is None or keep(p[len(head) :])]
+            if kept:
+                stored.append(name)
+                by_file.setdefault(file, []).extend(kept)
+        self.check_tensors(stored)
         for file, names in sorted(by_file.items()):
             path = self.path / file
             try:
                 with safe_open(path, framework="pt") as f:
                     for name in sorted(names):
-                        yield name[len(head) :], f.get_tensor(name)
+                        yield name[len(head) :], _read(f, name, self.fused_piece(name))
             except CheckpointError:
                 raise
             except Exception as err:
                 raise CheckpointError(f"{path}: reading tensors failed ({err})") from None
+
+
+@dataclass(frozen=True)
+class FusedPiece:
+    """One expert's projection inside a fused expert tensor.
+
+    Attributes:
+        stored: the fused tensor's name (``...experts.gate_up_proj`` or ``.down_proj``).
+        expert: the expert index (first dimension).
+        rows: ``(start, stop)`` rows of that expert's matrix: gate ``[0, I)``, up
+            ``[I, 2I)``, down all of its ``H`` rows.
+    """
+
+    stored: str
+    expert: int
+    rows: tuple[int, int]
+
+
+def _read(f: Any, name: str, piece: FusedPiece | None) -> torch.Tensor:
+    """Tensor ``name`` from open file ``f``: whole, or the slice ``piece`` of a fused one."""
+    if piece is None:
+        return f.get_tensor(name)
+    start, stop = piece.rows
+    return f.get_slice(piece.stored)[piece.expert : piece.expert + 1, start:stop][0].contiguous()
 
 
 def _check_complete(

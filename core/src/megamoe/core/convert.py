@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -47,6 +48,7 @@ from megamoe.core.expert_names import (
     weight_kinds,
 )
 from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
+from megamoe.core.hf_config import quantization_config
 from megamoe.core.shardfile import ShardWriter, TensorEntry, read_header, read_tensor
 
 PARTIAL_MARK = ".partial-"  # OUT.partial-<pid> while a conversion is in progress
@@ -146,7 +148,7 @@ def convert_checkpoint(
         raise FileExistsError(f"{out} already exists; remove it or choose another output path")
     start = time.perf_counter()
     reader, adapter = open_checkpoint(src)
-    config = adapter.converted_config(reader.config, dst)
+    config = adapter.converted_config(reader.config, dst, reader.layers)
     for layer in reader.layers:
         reader.check_layer(layer)
     plan = _plan(reader, dst)
@@ -164,9 +166,9 @@ def convert_checkpoint(
     )
 
 
-def _block_size(config: Mapping[str, object]) -> tuple[int, int]:
-    quant_config = config.get("quantization_config")
-    block = quant_config.get("weight_block_size") if isinstance(quant_config, dict) else None
+def _block_size(config: Mapping[str, Any]) -> tuple[int, int]:
+    quant_config = quantization_config(config)
+    block = quant_config.get("weight_block_size") if quant_config else None
     return (int(block[0]), int(block[1])) if block else BLOCK_FP8_DEFAULT
 
 

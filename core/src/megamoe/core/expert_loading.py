@@ -28,9 +28,17 @@ import torch
 from megamoe.core import quant
 from megamoe.core.arrival import DeviceArrival
 from megamoe.core.expert_layout import ExpertLayout, Specs
-from megamoe.core.expert_names import parse_expert_name, weight_kinds
+from megamoe.core.expert_names import FUSED_DOWN, FUSED_GATE_UP, parse_expert_name, weight_kinds
 from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
-from megamoe.core.pairing import PROJ_TO_SHARD, SHARD_DOWN, SHARD_IDS, ShardKey, ShardPairing
+from megamoe.core.pairing import (
+    PROJ_TO_SHARD,
+    SHARD_DOWN,
+    SHARD_GATE,
+    SHARD_IDS,
+    SHARD_UP,
+    ShardKey,
+    ShardPairing,
+)
 from megamoe.core.staging import PendingUpdate
 
 SCALE = "scale"  # kind of a run-format scale half handed to weight_loader
@@ -227,12 +235,23 @@ class ExpertLoading(abc.ABC):
                 )
             return self._load_source((None, shard_id), kind, tensor, "shared expert")
 
+    def expected_names(self) -> str:
+        """The tensor-name pattern ``load_weights`` takes, for messages."""
+        kinds = {*weight_kinds(self.checkpoint_format), *self._ckpt_halves}
+        pattern = "{expert}.{gate,up,down}_proj.{" + ",".join(sorted(kinds)) + "}"
+        if self.checkpoint_format is WeightFormat.BF16:
+            pattern += f" or fused {FUSED_GATE_UP} / {FUSED_DOWN}"
+        return pattern
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load ``{expert}.{gate,up,down}_proj.{weight,<scale name>}`` tensors.
 
-        ``weight_packed`` is accepted as the weight of an MXFP4 checkpoint. May be called any
-        number of times with any subset, chunked and in any order; ``finalize()`` applies the
-        update. Any error discards the pending update (the previous weights keep serving).
+        ``weight_packed`` is accepted as the weight of an MXFP4 checkpoint; BF16 checkpoints
+        may give the fused ``gate_up_proj`` (E, 2I, H; gate rows first) and ``down_proj``
+        (E, H, I) instead, of which only this rank's experts are kept. May be called any
+        number of times with any subset, chunked and in any order; ``finalize()`` applies
+        the update. Any error discards the pending update (the previous weights keep
+        serving).
 
         Args:
             weights: ``(name relative to the experts prefix, tensor)`` pairs.
@@ -241,26 +260,55 @@ class ExpertLoading(abc.ABC):
             The names accepted (other ranks' experts included: they are skipped).
 
         Raises:
-            ValueError: an unexpected name (naming it and the expected pattern), or as
-                ``load_expert_tensor``.
+            ValueError: an unexpected name (naming it and the expected pattern), a fused
+                tensor of a quantized checkpoint, or as ``load_expert_tensor``.
             NonFiniteError: a tensor holds NaN or infinity.
         """
-        fmt = self.checkpoint_format
-        kinds = {*weight_kinds(fmt), *self._ckpt_halves}
+        kinds = {*weight_kinds(self.checkpoint_format), *self._ckpt_halves}
         accepted: set[str] = set()
         with self._update_guard():
             for name, tensor in weights:
                 parsed = parse_expert_name(name)
-                if parsed is None or parsed.expert is None or parsed.kind not in kinds:
-                    pattern = "{expert}.{gate,up,down}_proj.{" + ",".join(sorted(kinds)) + "}"
+                if parsed is None or not (parsed.is_fused or parsed.kind in kinds):
                     raise ValueError(
-                        f"{self.layout.label}: unexpected expert tensor {name!r}; expected "
-                        f"{pattern} ({fmt.value} checkpoint)"
+                        f"{self.layout.label}: unexpected {self.checkpoint_format.value} "
+                        f"expert tensor {name!r}; expected {self.expected_names()}"
                     )
-                kind = WEIGHT if parsed.is_weight else parsed.kind
-                self.load_expert_tensor(parsed.expert, PROJ_TO_SHARD[parsed.proj], kind, tensor)
+                if parsed.expert is None:
+                    self._load_fused(parsed.proj, tensor)
+                else:
+                    kind = WEIGHT if parsed.is_weight else parsed.kind
+                    self.load_expert_tensor(parsed.expert, PROJ_TO_SHARD[parsed.proj], kind, tensor)
                 accepted.add(name)
         return accepted
+
+    def _load_fused(self, proj: str, tensor: torch.Tensor) -> None:
+        """Split a fused BF16 tensor into the projections of this rank's experts."""
+        if self.checkpoint_format is not WeightFormat.BF16:
+            raise ValueError(
+                f"{self.layout.label}: fused expert tensor {proj!r} in a "
+                f"{self.checkpoint_format.value} checkpoint; fused {FUSED_GATE_UP} / "
+                f"{FUSED_DOWN} are BF16 only: store quantized experts per expert "
+                "({expert}.{gate,up,down}_proj.*)"
+            )
+        layout = self.layout
+        num, inter, hidden = layout.num_logical_experts, self.intermediate_size, self.hidden_size
+        want = (num, 2 * inter, hidden) if proj == FUSED_GATE_UP else (num, hidden, inter)
+        if tuple(tensor.shape) != want:
+            dims = "(E, 2I, H)" if proj == FUSED_GATE_UP else "(E, H, I)"
+            raise ValueError(
+                f"{layout.label}: fused {proj} has shape {tuple(tensor.shape)}, expected "
+                f"{want} = {dims} for E={num} logical experts, H={hidden}, I={inter}"
+            )
+        for expert in range(num):
+            if not layout.map_global_expert_id(expert):
+                continue
+            if proj == FUSED_DOWN:
+                self.load_expert_tensor(expert, SHARD_DOWN, WEIGHT, tensor[expert])
+                continue
+            gate, up = tensor[expert].split(inter)
+            self.load_expert_tensor(expert, SHARD_GATE, WEIGHT, gate)
+            self.load_expert_tensor(expert, SHARD_UP, WEIGHT, up)
 
     def _load_source(self, key: ShardKey, kind: str, tensor: torch.Tensor, what: str) -> set[str]:
         """Check one checkpoint half, pair it, and convert the shard once it is complete."""

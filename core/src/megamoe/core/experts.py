@@ -19,6 +19,7 @@ from megamoe.core.expert_loading import ExpertLoading
 from megamoe.core.expert_names import projection_specs
 from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
 from megamoe.core.pairing import SHARD_IDS
+from megamoe.core.swiglu import check_swiglu_limit
 from megamoe.core.tagging import KernelTag, check_tags, tag
 
 
@@ -55,6 +56,8 @@ class MegaMoEExperts(ExpertLoading, torch.nn.Module):
         device: where the kernel tensors live (None = CPU).
         prefix: layer prefix for messages.
         emulate_kernel: reference backend only: round activations as the kernel does.
+        swiglu_limit: clamp the SwiGLU inputs (gate <= L, -L <= up <= L; see
+            ``megamoe.core.swiglu``) in routed and fused shared experts; None for none.
 
     Raises:
         ValueError: a size or placement that cannot run (before anything is allocated).
@@ -80,9 +83,11 @@ class MegaMoEExperts(ExpertLoading, torch.nn.Module):
         device: torch.device | str | None = None,
         prefix: str = "",
         emulate_kernel: bool = False,
+        swiglu_limit: float | None = None,
     ) -> None:
         super().__init__()
         self.prefix, self.emulate_kernel, self.process_group = prefix, emulate_kernel, process_group
+        self.swiglu_limit = check_swiglu_limit(swiglu_limit, prefix or type(self).__name__)
         self.weight_format = WeightFormat.parse(weight_format)
         self.checkpoint_format = WeightFormat.parse(checkpoint_format)
         self.layout = ExpertLayout(
@@ -98,7 +103,9 @@ class MegaMoEExperts(ExpertLoading, torch.nn.Module):
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self.backend = resolve_backend(backend, self.weight_format, self.device)
         self.backend.check_layer(self)
-        self.kernel_tag = KernelTag.for_format(self.weight_format, num_shared_experts)
+        self.kernel_tag = KernelTag.for_format(
+            self.weight_format, num_shared_experts, self.swiglu_limit
+        )
         self._allocate()
         self._init_loading()
         self._written: set[tuple[int, str]] = set()
@@ -133,7 +140,7 @@ class MegaMoEExperts(ExpertLoading, torch.nn.Module):
             f"experts {self.experts_start_idx}..{self.experts_start_idx + self.num_local_experts}"
             f" of {self.num_experts}, {self.checkpoint_format.value}->{self.weight_format.value}, "
             f"H={self.hidden_size}, I={self.intermediate_size}, shared={self.num_shared_experts}, "
-            f"backend={self.backend.name}"
+            f"swiglu_limit={self.swiglu_limit}, backend={self.backend.name}"
         )
 
     def map_global_expert_id(self, expert_id: int) -> list[int]:

@@ -4,14 +4,22 @@ Adapters parse their model's config with the ``*_key`` readers, so that every mi
 invalid key is reported the same way: ``config.json: <key>=<value> must be <rule>``. A key
 set to ``null`` counts as absent. The parsed config is the adapter's own class; core reads
 it through ``MoEConfig``.
+
+Composite (vision-language) configs keep the text model's keys under ``text_config``;
+``text_config`` gives the keys an adapter reads from either shape, with the
+``quantization_config`` looked up as transformers does (top level first, then
+``text_config``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, Protocol, Self
 
 SWIGLU_ACT = "silu"  # MegaMoE fuses SwiGLU: gate activation silu
+TEXT_CONFIG = "text_config"  # sub-config of the text model in composite configs
+QUANTIZATION_CONFIG = "quantization_config"
 
 
 class MoEConfig(Protocol):
@@ -54,8 +62,55 @@ class MoEConfig(Protocol):
     def quantization_config(self) -> Mapping[str, Any] | None:
         """The checkpoint's ``quantization_config``, None when unquantized."""
 
+    @property
+    def swiglu_limit(self) -> float | None:
+        """The SwiGLU clamp of the experts (gate <= L, -L <= up <= L), None for none."""
+
     def is_moe_layer(self, index: int) -> bool:
         """Whether main-model decoder layer ``index`` has an MoE block."""
+
+
+def is_composite(config: Mapping[str, Any]) -> bool:
+    """Whether ``config`` is a composite config with the text model under ``text_config``."""
+    return isinstance(config.get(TEXT_CONFIG), Mapping)
+
+
+def quantization_config(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The ``quantization_config`` in force: the top-level one, else ``text_config``'s.
+
+    Raises:
+        ValueError: the value found is not a JSON object.
+    """
+    found = object_key(config, QUANTIZATION_CONFIG)
+    if found is None and is_composite(config):
+        found = object_key(config[TEXT_CONFIG], QUANTIZATION_CONFIG)
+    return found or None
+
+
+def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The text model's keys of a parsed ``config.json``, flat or composite.
+
+    A composite config gives its ``text_config`` (whose keys win over stale copies at the
+    top level, as in transformers), with ``quantization_config`` set to the one in force;
+    a flat config is returned as it is.
+
+    Raises:
+        ValueError: ``text_config`` or ``quantization_config`` is not a JSON object.
+    """
+    sub = config.get(TEXT_CONFIG)
+    if sub is None:
+        return config
+    if not isinstance(sub, Mapping):
+        raise ValueError(
+            f"config.json: {TEXT_CONFIG}={sub!r} must be an object holding the text model's "
+            "keys (or absent for a flat config)"
+        )
+    merged = dict(sub)
+    quant = quantization_config(config)
+    merged.pop(QUANTIZATION_CONFIG, None)
+    if quant is not None:
+        merged[QUANTIZATION_CONFIG] = quant
+    return merged
 
 
 def is_int(value: object) -> bool:
@@ -110,6 +165,28 @@ def bool_key(config: Mapping[str, Any], key: str, *, default: bool) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"config.json: {key}={value!r} must be true or false")
     return value
+
+
+def float_key(
+    config: Mapping[str, Any], key: str, *, default: float, positive: bool = True
+) -> float:
+    """``config[key]`` as a finite number (``> 0`` when ``positive``), ``default`` when absent.
+
+    Raises:
+        ValueError: the value is not a finite number, or not positive when it must be.
+    """
+    value = config.get(key)
+    if value is None:
+        return default
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or (positive and not value > 0)
+    ):
+        rule = "a positive number" if positive else "a finite number"
+        raise ValueError(f"config.json: {key}={value!r} must be {rule}; fix the config")
+    return float(value)
 
 
 def object_key(config: Mapping[str, Any], key: str) -> Mapping[str, Any] | None:

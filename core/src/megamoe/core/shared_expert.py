@@ -16,12 +16,16 @@ from megamoe.core import quant
 from megamoe.core.dense_update import DenseUpdate
 from megamoe.core.formats import WeightFormat
 from megamoe.core.pairing import PROJ_TO_SHARD, ShardPairing
+from megamoe.core.swiglu import check_swiglu_limit, swiglu
 
 _PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
 class SwiGLUMLP(torch.nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with bias-free bf16 projections.
+    """``down(swiglu(gate(x), up(x)))`` with bias-free bf16 projections.
+
+    ``swiglu`` is ``megamoe.core.swiglu.swiglu``: ``silu(gate) * up``, with gate and up
+    clamped first when the model has a ``swiglu_limit``.
 
     Quantized checkpoint tensors are dequantized to bf16 when loaded. The first load writes
     them straight in; once ``commit()`` has run, a reload is staged (``DenseUpdate``) and
@@ -34,6 +38,7 @@ class SwiGLUMLP(torch.nn.Module):
             dequantized when loaded).
         device: where the weights live.
         prefix: name prefix for error messages.
+        swiglu_limit: the SwiGLU clamp L (gate <= L, -L <= up <= L), None for none.
     """
 
     gate_proj: torch.nn.Parameter
@@ -47,9 +52,11 @@ class SwiGLUMLP(torch.nn.Module):
         checkpoint_format: WeightFormat = WeightFormat.BF16,
         device: torch.device | str | None = None,
         prefix: str = "shared_expert",
+        swiglu_limit: float | None = None,
     ) -> None:
         super().__init__()
         self.prefix = prefix
+        self.swiglu_limit = check_swiglu_limit(swiglu_limit, prefix)
         self.checkpoint_format = checkpoint_format
         scale_name = checkpoint_format.scale_name
         self._halves = ("weight",) if scale_name is None else ("weight", scale_name)
@@ -72,9 +79,8 @@ class SwiGLUMLP(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the MLP to ``x`` (tokens, H) in bf16."""
         x = x.to(torch.bfloat16)
-        return F.linear(
-            F.silu(F.linear(x, self.gate_proj)) * F.linear(x, self.up_proj), self.down_proj
-        )
+        hidden = swiglu(F.linear(x, self.gate_proj), F.linear(x, self.up_proj), self.swiglu_limit)
+        return F.linear(hidden, self.down_proj)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load ``{gate,up,down}_proj.{weight,<scale>}`` tensors.

@@ -1,9 +1,10 @@
 """Format tags on kernel-ready tensors and buffers (SPEC §5, "Formats are tagged").
 
 Every tensor a MegaMoE kernel reads (weights, scales, the symmetric buffer) carries a
-``KernelTag``: the run format, its scale granularity and the number of fused shared
-experts. A forward compares the tags of all its pieces first, so combining pieces built for
-different formats is an error instead of silently wrong output.
+``KernelTag``: the run format, its scale granularity, the number of fused shared experts
+and the SwiGLU clamp the weights run with. A forward compares the tags of all its pieces
+first, so combining pieces built for different formats is an error instead of silently
+wrong output.
 """
 
 from __future__ import annotations
@@ -25,21 +26,37 @@ class KernelTag:
         weight_format: the run format of the expert weights.
         scale_block: rows x columns covered by one scale (None for BF16).
         num_shared_experts: fused shared experts behind the routed ones.
+        swiglu_limit: the SwiGLU clamp (``megamoe.core.swiglu``), None for none.
     """
 
     weight_format: WeightFormat
     scale_block: tuple[int, int] | None
     num_shared_experts: int
+    swiglu_limit: float | None = None
 
     @classmethod
-    def for_format(cls, weight_format: WeightFormat, num_shared_experts: int = 0) -> KernelTag:
+    def for_format(
+        cls,
+        weight_format: WeightFormat,
+        num_shared_experts: int = 0,
+        swiglu_limit: float | None = None,
+    ) -> KernelTag:
         """The tag of ``weight_format`` with its own scale granularity."""
-        return cls(weight_format, weight_format.scale_block, num_shared_experts)
+        return cls(weight_format, weight_format.scale_block, num_shared_experts, swiglu_limit)
+
+    @property
+    def buffer_tag(self) -> KernelTag:
+        """The tag of a symmetric buffer serving these weights (without the clamp).
+
+        The clamp is a kernel argument, so one buffer serves layers of any clamp.
+        """
+        return KernelTag(self.weight_format, self.scale_block, self.num_shared_experts)
 
     def describe(self) -> str:
         """Short human-readable form for error messages."""
         block = "no scale" if self.scale_block is None else "x".join(map(str, self.scale_block))
-        return f"{self.weight_format.value} ({block}, {self.num_shared_experts} shared)"
+        clamp = "no clamp" if self.swiglu_limit is None else f"clamp {self.swiglu_limit:g}"
+        return f"{self.weight_format.value} ({block}, {self.num_shared_experts} shared, {clamp})"
 
 
 def tag(obj: object, kernel_tag: KernelTag) -> None:

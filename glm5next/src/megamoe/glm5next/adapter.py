@@ -7,21 +7,27 @@ from typing import Any, ClassVar
 
 import torch
 
-from megamoe.core.adapters import ModelAdapter, MoEBlock, MoELayer
+from megamoe.core.adapters import MLP, ModelAdapter, MoEBlock, MoELayer
 from megamoe.core.formats import WeightFormat
 from megamoe.core.hf_config import MoEConfig
 from megamoe.glm5next import reference, synthetic
 from megamoe.glm5next.block import Glm5NextMegaMoeBlock
-from megamoe.glm5next.config import Glm5NextConfig
+from megamoe.glm5next.config import ARCHITECTURES, MODEL_TYPES, Glm5NextConfig
 
 
 class Glm5NextAdapter(ModelAdapter):
-    """GLM-5.3-Flash (DeepSeek-V3-style MoE, block-FP8 experts) checkpoints on megamoe."""
+    """GLM-5.3-Flash (DeepSeek-V3-style MoE, block-FP8 experts) checkpoints on megamoe.
+
+    Also DeepSeek-V3 and GLM-4.5/4.6 (``deepseek_v3``, ``glm4_moe``): the same router and
+    experts without the SwiGLU clamp. Layouts: composite ``glm5_next`` saves
+    (``model.language_model.layers.{L}.mlp``) and flat ones (``model.layers.{L}.mlp``); the
+    MTP layers follow the decoder layers, at decoder index ``num_hidden_layers + j``.
+    """
 
     name: ClassVar[str] = "glm5next"
     distribution: ClassVar[str] = "megamoe-glm5next"
-    model_types: ClassVar[tuple[str, ...]] = (synthetic.MODEL_TYPE,)
-    architectures: ClassVar[tuple[str, ...]] = (synthetic.ARCHITECTURE,)
+    model_types: ClassVar[tuple[str, ...]] = MODEL_TYPES
+    architectures: ClassVar[tuple[str, ...]] = ARCHITECTURES
     config_class: ClassVar[type[MoEConfig]] = Glm5NextConfig
     block_class: ClassVar[type[MoEBlock]] = Glm5NextMegaMoeBlock
     checkpoint_formats: ClassVar[tuple[WeightFormat, ...]] = (
@@ -40,6 +46,10 @@ class Glm5NextAdapter(ModelAdapter):
         Dense-layer MLPs, then per MoE layer: router, bias, shared experts, routed experts.
         """
         return synthetic.synthetic_tensors(config, self.moe_layers(config), seed)
+
+    def mtp_block_prefix(self, config: MoEConfig, decoder: str, index: int) -> str:
+        """``{decoder}.{num_hidden_layers + index}.mlp``: MTP layers extend the decoder stack."""
+        return f"{decoder}.{config.num_hidden_layers + index}.{MLP}"
 
     def expert_prefixes(self, layer: MoELayer) -> tuple[str, ...]:
         """Routed experts, then the shared expert (fused into the kernel as one more)."""

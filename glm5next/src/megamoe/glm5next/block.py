@@ -39,13 +39,16 @@ class Glm5NextMegaMoeBlock(MoEBlock):
     where the run format allows it (MXFP8, MXFP4, BF16: the SM100 kernel); otherwise
     (FP8_BLOCK: Hopper, or the reference path running block-FP8) it is a separate SwiGLU
     MLP issued on an auxiliary CUDA stream beside the router and joined before the MegaMoE
-    launch. Both compute the same function. The router's expert ids go to the experts
+    launch. Both compute the same function, with the model's SwiGLU clamp
+    (``swiglu_limit``: gate <= L, -L <= up <= L, before silu) in the routed experts and the
+    shared expert alike. The router's expert ids go to the experts
     as physical ids (physical expert ``e`` holds logical expert ``e``); an engine with EPLB
     replicas calls ``block.gate`` and ``block.experts`` itself to remap in between.
 
     Args:
         config: a ``Glm5NextConfig`` or the ``config.json`` mapping.
-        prefix: the block's tensor prefix, ``model.layers.{L}.mlp`` or ``mtp.layers.{i}.mlp``.
+        prefix: the block's tensor prefix, e.g. ``model.language_model.layers.{L}.mlp``
+            (MTP layers: ``L = num_hidden_layers + j``, built with ``is_mtp=True``).
         parallel: expert-parallel group (required: a group of size 1 for one device),
             linear placement, tensor parallel 1, redundant experts.
         fuse_shared: None fuses the shared expert where the run format allows; False never
@@ -110,6 +113,7 @@ class Glm5NextMegaMoeBlock(MoEBlock):
                 checkpoint_format=shared_format,
                 device=self.device,
                 prefix=f"{prefix}.{SHARED_EXPERTS}",
+                swiglu_limit=cfg.swiglu_limit,
             )
         self.gate = Glm5NextRouter(cfg, device=self.device)
         self.aux_stream = AuxStream(self.device, enabled=use_aux_stream)

@@ -1,18 +1,102 @@
-"""The MoE settings of a GLM-5.3-Flash ``config.json`` (DeepSeek-V3-style keys)."""
+"""The MoE settings of a GLM-5.3-Flash ``config.json`` (DeepSeek-V3-style keys).
+
+The sibling families DeepSeek-V3 and GLM-4.5 share the router and experts, without the
+SwiGLU clamp.
+"""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from megamoe.core.formats import BLOCK_FP8_DEFAULT
-from megamoe.core.hf_config import bool_key, int_key, is_int, object_key, swiglu_act
+from megamoe.core.hf_config import (
+    bool_key,
+    float_key,
+    int_key,
+    is_int,
+    quantization_config,
+    swiglu_act,
+    text_config,
+)
 
 MODEL_NAME = "GLM-5.3-Flash"
 SCORING_FUNC = "sigmoid"  # the only router scoring GLM-5.3-Flash uses
 ROUTER_TOP2 = 2  # a group's score is the sum of its best two expert scores
+GLM5_NEXT = "glm5_next"  # composite config (and flat text-only GLM-5.3-Flash configs)
+GLM5_NEXT_TEXT = "glm5_next_text"  # its text sub-config
+DEEPSEEK_V3 = "deepseek_v3"  # sibling families with the same router and experts, no clamp
+GLM4_MOE = "glm4_moe"
+LEGACY_MODEL_TYPE = "glm5next"  # the name megamoe's own synthetic checkpoints once used
+MODEL_TYPES = (GLM5_NEXT, GLM5_NEXT_TEXT, DEEPSEEK_V3, GLM4_MOE, LEGACY_MODEL_TYPE)
+ARCHITECTURE = "Glm5NextForConditionalGeneration"
+ARCHITECTURES = (
+    ARCHITECTURE,
+    "Glm5NextForCausalLM",  # what other engines register for text-only GLM-5.3-Flash
+    "DeepseekV3ForCausalLM",
+    "Glm4MoeForCausalLM",
+)
+MLP_DENSE, MLP_SPARSE = "dense", "sparse"
+GLM5_LEADING_DENSE = 3  # mlp_layer_types default: three dense layers, then sparse ones
+# transformers' class defaults (Glm5NextTextConfig, DeepseekV3Config, Glm4MoeConfig) of the
+# keys read here, taken when config.json leaves a key out. swiglu_limit None: no clamp.
+# num_nextn_predict_layers: DeepSeek-V3 and GLM-4.5 default to one MTP layer; transformers
+# has no GLM-5.3-Flash MTP field, and other loaders default to one as well.
+DEFAULTS: dict[str, dict[str, Any]] = {
+    GLM5_NEXT: {
+        "hidden_size": 4096,
+        "num_hidden_layers": 45,
+        "n_routed_experts": 288,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 2048,
+        "n_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.5,
+        "swiglu_limit": 10.0,
+        "num_nextn_predict_layers": 1,
+    },
+    DEEPSEEK_V3: {
+        "hidden_size": 7168,
+        "num_hidden_layers": 61,
+        "n_routed_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 2048,
+        "n_shared_experts": 1,
+        "n_group": 8,
+        "topk_group": 4,
+        "routed_scaling_factor": 2.5,
+        "swiglu_limit": None,
+        "num_nextn_predict_layers": 1,
+        "first_k_dense_replace": 3,
+    },
+    GLM4_MOE: {
+        "hidden_size": 4096,
+        "num_hidden_layers": 46,
+        "n_routed_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 1408,
+        "n_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.0,
+        "swiglu_limit": None,
+        "num_nextn_predict_layers": 1,
+        "first_k_dense_replace": 1,
+    },
+}
+MTP_COUNT_ALIAS = "num_mtp_layers"  # transformers' attribute name for the same count
+
+
+def model_family(config: Mapping[str, Any]) -> str:
+    """``deepseek_v3``, ``glm4_moe``, or ``glm5_next`` (composite, text-only or legacy)."""
+    types = {config.get("model_type"), text_config(config).get("model_type")}
+    archs = set(config.get("architectures") or ())
+    for family, arch in ((DEEPSEEK_V3, "DeepseekV3ForCausalLM"), (GLM4_MOE, "Glm4MoeForCausalLM")):
+        if family in types or arch in archs:
+            return family
+    return GLM5_NEXT
 
 
 def _block_size(quantization_config: Mapping[str, Any] | None) -> tuple[int, int]:
@@ -32,15 +116,53 @@ def _block_size(quantization_config: Mapping[str, Any] | None) -> tuple[int, int
     return int(block[0]), int(block[1])
 
 
+def _mlp_layer_types(config: Mapping[str, Any], family: str, num_layers: int) -> tuple[str, ...]:
+    """``dense`` or ``sparse`` per decoder layer, by the family's own rule.
+
+    GLM-5.3-Flash: ``mlp_layer_types`` (default three dense layers, then sparse; a stale
+    ``first_k_dense_replace`` is ignored, as transformers ignores it). DeepSeek-V3 and
+    GLM-4.5: layers from ``first_k_dense_replace`` on are sparse (``moe_layer_freq`` is
+    ignored, as transformers ignores it).
+    """
+    if family != GLM5_NEXT:
+        first = int_key(
+            config,
+            "first_k_dense_replace",
+            model=MODEL_NAME,
+            default=DEFAULTS[family]["first_k_dense_replace"],
+            minimum=0,
+        )
+        return tuple(MLP_DENSE if i < first else MLP_SPARSE for i in range(num_layers))
+    types = config.get("mlp_layer_types")
+    if types is None:
+        dense = min(GLM5_LEADING_DENSE, num_layers)
+        return (MLP_DENSE,) * dense + (MLP_SPARSE,) * (num_layers - dense)
+    if (
+        not isinstance(types, list | tuple)
+        or len(types) != num_layers
+        or any(t not in (MLP_DENSE, MLP_SPARSE) for t in types)
+    ):
+        raise ValueError(
+            f"config.json: mlp_layer_types={types!r} must list {MLP_DENSE!r} or {MLP_SPARSE!r} "
+            f"for each of the num_hidden_layers={num_layers} decoder layers"
+        )
+    return tuple(types)
+
+
 @dataclass(frozen=True)
 class Glm5NextConfig:
-    """What megamoe needs from a GLM-5.3-Flash ``config.json``.
+    """What megamoe needs from a GLM-5.3-Flash (or DeepSeek-V3, GLM-4.5) ``config.json``.
 
+    Composite ``glm5_next`` configs (the text model's keys under ``text_config``), flat
+    GLM-5.3-Flash configs and the flat ``deepseek_v3`` / ``glm4_moe`` configs are read
+    alike; keys left out take transformers' defaults for the family (``DEFAULTS``).
     ``hidden_size``, ``num_experts_per_tok``, ``moe_intermediate_size``,
-    ``num_hidden_layers``, ``num_nextn_predict_layers`` and ``quantization_config`` (None
-    when absent) mean what ``megamoe.core.hf_config.MoEConfig`` says.
+    ``num_hidden_layers``, ``num_nextn_predict_layers``, ``swiglu_limit`` and
+    ``quantization_config`` (None when absent) mean what
+    ``megamoe.core.hf_config.MoEConfig`` says.
 
     Attributes:
+        model_type: the family: ``glm5_next``, ``deepseek_v3`` or ``glm4_moe``.
         n_routed_experts: routed experts per MoE layer E (``num_routed_experts``).
         n_shared_experts: shared experts per layer; their MLP is ``n_shared_experts * I``
             wide.
@@ -48,8 +170,7 @@ class Glm5NextConfig:
         topk_group: groups kept per token.
         routed_scaling_factor: multiplies the routing weights.
         norm_topk_prob: renormalize the chosen weights to sum to one before scaling.
-        first_k_dense_replace: leading layers with a dense MLP instead of MoE.
-        moe_layer_freq: every ``moe_layer_freq``-th layer (from the first sparse one) is MoE.
+        mlp_layer_types: ``dense`` or ``sparse`` per main-model decoder layer.
         weight_block_size: rows x columns of one block-FP8 scale.
     """
 
@@ -63,10 +184,11 @@ class Glm5NextConfig:
     routed_scaling_factor: float
     norm_topk_prob: bool
     num_hidden_layers: int
-    first_k_dense_replace: int
-    moe_layer_freq: int
+    mlp_layer_types: tuple[str, ...]
     num_nextn_predict_layers: int
     weight_block_size: tuple[int, int]
+    swiglu_limit: float | None = None
+    model_type: str = GLM5_NEXT
     quantization_config: Mapping[str, Any] | None = None
 
     @property
@@ -86,47 +208,60 @@ class Glm5NextConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether main-model decoder layer ``layer`` has an MoE MLP."""
-        return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
+        return self.mlp_layer_types[layer] == MLP_SPARSE
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> Glm5NextConfig:
         """The validated MoE keys of a parsed ``config.json`` (``MoEConfig.from_dict``).
 
         Raises:
-            ValueError: a key is missing, has the wrong type or breaks a rule; the
-                message names the key, its value and the rule.
+            ValueError: a key has the wrong type or breaks a rule; the message names the
+                key, its value and the rule.
             NotImplementedError: a router scoring function or activation other than the
                 ones GLM-5.3-Flash uses.
         """
-        scoring = config.get("scoring_func", SCORING_FUNC)
+        family = model_family(config)
+        text = text_config(config)
+        defaults = DEFAULTS[family]
+        scoring = text.get("scoring_func", SCORING_FUNC)
         if scoring != SCORING_FUNC:
             raise NotImplementedError(
                 f"config.json: scoring_func={scoring!r}; the {MODEL_NAME} router scores "
                 f"experts with {SCORING_FUNC!r} only"
             )
-        swiglu_act(config)
-        scaling = config.get("routed_scaling_factor", 1.0)
-        if isinstance(scaling, bool) or not isinstance(scaling, int | float) or not scaling > 0:
-            raise ValueError(
-                f"config.json: routed_scaling_factor={scaling!r} must be a positive number"
-            )
-        quant = object_key(config, "quantization_config")
-        read = functools.partial(int_key, config, model=MODEL_NAME)
+        swiglu_act(text)
+        quant = quantization_config(config)
+
+        def read(key: str, minimum: int = 1) -> int:
+            return int_key(text, key, model=MODEL_NAME, default=defaults[key], minimum=minimum)
+
+        num_layers = read("num_hidden_layers")
+        mtp_key = MTP_COUNT_ALIAS if text.get("num_nextn_predict_layers") is None else None
+        limit = defaults["swiglu_limit"]
         cfg = cls(
             hidden_size=read("hidden_size"),
             n_routed_experts=read("n_routed_experts"),
             num_experts_per_tok=read("num_experts_per_tok"),
             moe_intermediate_size=read("moe_intermediate_size"),
-            n_shared_experts=read("n_shared_experts", default=0, minimum=0),
-            n_group=read("n_group", default=1),
-            topk_group=read("topk_group", default=1),
-            routed_scaling_factor=float(scaling),
-            norm_topk_prob=bool_key(config, "norm_topk_prob", default=True),
-            num_hidden_layers=read("num_hidden_layers"),
-            first_k_dense_replace=read("first_k_dense_replace", default=0, minimum=0),
-            moe_layer_freq=read("moe_layer_freq", default=1),
-            num_nextn_predict_layers=read("num_nextn_predict_layers", default=0, minimum=0),
+            n_shared_experts=read("n_shared_experts", minimum=0),
+            n_group=read("n_group"),
+            topk_group=read("topk_group"),
+            routed_scaling_factor=float_key(
+                text, "routed_scaling_factor", default=defaults["routed_scaling_factor"]
+            ),
+            norm_topk_prob=bool_key(text, "norm_topk_prob", default=True),
+            num_hidden_layers=num_layers,
+            mlp_layer_types=_mlp_layer_types(text, family, num_layers),
+            num_nextn_predict_layers=int_key(
+                text,
+                mtp_key or "num_nextn_predict_layers",
+                model=MODEL_NAME,
+                default=defaults["num_nextn_predict_layers"],
+                minimum=0,
+            ),
             weight_block_size=_block_size(quant),
+            swiglu_limit=None if limit is None else float_key(text, "swiglu_limit", default=limit),
+            model_type=family,
             quantization_config=quant,
         )
         cfg._check_router()

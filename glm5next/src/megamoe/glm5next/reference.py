@@ -2,7 +2,9 @@
 
 Independent of the loading path (no pairing, requantization or kernel layout): each
 projection is read from the checkpoint and dequantized, and the layer is computed in
-float64. It checks a loaded ``Glm5NextMegaMoeBlock``.
+float64, with the model's SwiGLU clamp (``swiglu_limit``). Routed experts stored fused
+read as their per-expert slices (``CheckpointReader.get_tensor``). It checks a loaded
+``Glm5NextMegaMoeBlock``.
 """
 
 from __future__ import annotations
@@ -10,11 +12,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from megamoe.core import quant
 from megamoe.core.formats import WeightFormat
 from megamoe.core.quant_config import detect_expert_format
+from megamoe.core.swiglu import swiglu
 from megamoe.glm5next.config import Glm5NextConfig
 from megamoe.glm5next.router import grouped_topk
 
@@ -35,11 +37,10 @@ def _dense_projection(
     return quant.dequantize(weight, scale, fmt, block_size=block).double()
 
 
-def _swiglu(
-    x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
-) -> torch.Tensor:
-    """``down(silu(gate x) * up x)`` in the inputs' dtype."""
-    return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
+def _mlp(x: torch.Tensor, projs: list[torch.Tensor], limit: float | None) -> torch.Tensor:
+    """``down(swiglu(gate x, up x))`` for ``projs = [gate, up, down]``, clamped at ``limit``."""
+    gate, up, down = projs
+    return swiglu(x @ gate.T, x @ up.T, limit) @ down.T
 
 
 def reference_forward(
@@ -79,12 +80,13 @@ def reference_forward(
         projs = [
             _dense_projection(reader, f"{prefix}.experts.{expert}.{p}", fmt, block) for p in _PROJS
         ]
-        out.index_add_(0, token, _swiglu(x[token], *projs) * topk_weights[token, k, None])
+        routed = _mlp(x[token], projs, cfg.swiglu_limit)
+        out.index_add_(0, token, routed * topk_weights[token, k, None])
     if cfg.n_shared_experts:
         shared_prefix = f"{prefix}.shared_experts"
         shared_fmt = detect_expert_format(cfg.quantization_config, shared_prefix)
         projs = [
             _dense_projection(reader, f"{shared_prefix}.{p}", shared_fmt, block) for p in _PROJS
         ]
-        out += _swiglu(x, *projs)
+        out += _mlp(x, projs, cfg.swiglu_limit)
     return out

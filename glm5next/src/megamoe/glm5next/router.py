@@ -12,6 +12,8 @@ import torch
 
 from megamoe.glm5next.config import ROUTER_TOP2, Glm5NextConfig
 
+NORM_EPS = 1e-20  # added to the renormalization's denominator, as the model does
+
 
 def _top_indices(values: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the ``k`` largest entries of each row, ties toward the lower index."""
@@ -49,7 +51,8 @@ def grouped_topk(
     equal groups scores the sum of its best two biased scores, the ``topk_group`` best
     groups are kept, and the ``top_k`` best biased scores among their experts are chosen.
     The weights are the unbiased ``scores`` of the chosen experts, divided by their sum
-    when ``norm_topk_prob``, times ``routed_scaling_factor``.
+    (plus ``NORM_EPS``) when ``norm_topk_prob``, times ``routed_scaling_factor`` (with or
+    without the renormalization).
 
     Args:
         scores: (tokens, E) sigmoid scores; the computation keeps their dtype (float32 in
@@ -84,7 +87,7 @@ def grouped_topk(
     topk_ids = _top_indices(allowed, top_k)
     topk_weights = scores.gather(1, topk_ids)
     if norm_topk_prob:
-        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + NORM_EPS)
     return topk_weights * routed_scaling_factor, topk_ids
 
 

@@ -8,13 +8,22 @@ from typing import Any
 
 import torch
 
-from megamoe.core.adapters import MoELayer, SyntheticSizes
+from megamoe.core.adapters import COMPOSITE_DECODER, MLP, MoELayer, SyntheticSizes
 from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
+from megamoe.core.hf_config import text_config
 from megamoe.core.testing import synthetic_dense, synthetic_expert_tensors
-from megamoe.glm5next.config import Glm5NextConfig
+from megamoe.glm5next.config import (
+    ARCHITECTURE,
+    GLM5_NEXT,
+    GLM5_NEXT_TEXT,
+    MLP_DENSE,
+    MLP_SPARSE,
+    Glm5NextConfig,
+)
 
-MODEL_TYPE = "glm5next"
-ARCHITECTURE = "Glm5NextForCausalLM"
+# Clamps a share of the SwiGLU inputs of the synthetic experts (activations of order one),
+# so the demo and tests exercise the clamp as the real model's limit of 10 does its own.
+SWIGLU_LIMIT = 0.75
 ROUTER_STD = 0.05  # router weight magnitude: logits of order one for unit activations
 BIAS_STD = 0.05  # e_score_correction_bias: moves selection, comparable to score gaps
 ROUTED_SCALING_FACTOR = 2.5
@@ -38,6 +47,11 @@ def _router_groups(num_experts: int, top_k: int) -> tuple[int, int]:
 def synthetic_config(fmt: WeightFormat, sizes: SyntheticSizes) -> dict[str, Any]:
     """A ``config.json`` with one dense layer, ``sizes.num_layers`` MoE layers and one MTP layer.
 
+    Laid out as the release: a composite ``glm5_next`` config with the text model's keys
+    under ``text_config`` (layers at ``model.language_model.layers.{L}``, ``mlp_layer_types``
+    marking the sparse ones, the MTP layer at decoder index ``num_hidden_layers``) and
+    ``quantization_config`` at the top level.
+
     Raises:
         ValueError: a shared-expert size that is not a multiple of the expert size (GLM's
             shared MLP is ``n_shared_experts`` experts wide).
@@ -49,9 +63,8 @@ def synthetic_config(fmt: WeightFormat, sizes: SyntheticSizes) -> dict[str, Any]
             f"intermediate_size={inter} for {ARCHITECTURE} (n_shared_experts experts wide)"
         )
     n_group, topk_group = _router_groups(sizes.num_experts, sizes.top_k)
-    config: dict[str, Any] = {
-        "architectures": [ARCHITECTURE],
-        "model_type": MODEL_TYPE,
+    text: dict[str, Any] = {
+        "model_type": GLM5_NEXT_TEXT,
         "hidden_size": sizes.hidden_size,
         "intermediate_size": 2 * inter,
         "moe_intermediate_size": inter,
@@ -62,14 +75,18 @@ def synthetic_config(fmt: WeightFormat, sizes: SyntheticSizes) -> dict[str, Any]
         "topk_group": topk_group,
         "routed_scaling_factor": ROUTED_SCALING_FACTOR,
         "norm_topk_prob": True,
-        "scoring_func": "sigmoid",
-        "topk_method": "noaux_tc",
         "hidden_act": "silu",
+        "swiglu_limit": SWIGLU_LIMIT,
         "num_hidden_layers": sizes.num_layers + 1,
-        "first_k_dense_replace": 1,
-        "moe_layer_freq": 1,
+        "mlp_layer_types": [MLP_DENSE] + [MLP_SPARSE] * sizes.num_layers,
         "num_nextn_predict_layers": 1,
-        "torch_dtype": "bfloat16",
+        "dtype": "bfloat16",
+    }
+    config: dict[str, Any] = {
+        "architectures": [ARCHITECTURE],
+        "model_type": GLM5_NEXT,
+        "text_config": text,
+        "dtype": "bfloat16",
     }
     if fmt is WeightFormat.FP8_BLOCK:
         config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
@@ -104,10 +121,10 @@ def synthetic_tensors(
     """
     cfg = Glm5NextConfig.from_dict(config)
     hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
-    dense_inter = int(config.get("intermediate_size") or 2 * inter)
+    dense_inter = int(text_config(config).get("intermediate_size") or 2 * inter)
     for index in range(cfg.num_hidden_layers):
         if not cfg.is_moe_layer(index):
-            prefix = f"model.layers.{index}.mlp"
+            prefix = f"{COMPOSITE_DECODER}.{index}.{MLP}"
             fmt = WeightFormat.FP8_BLOCK if cfg.quantization_config else WeightFormat.BF16
             yield from _mlp_tensors(fmt, prefix, hidden, dense_inter, _layer_seed(seed, prefix))
     for layer in layers:

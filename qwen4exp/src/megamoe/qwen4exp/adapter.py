@@ -12,16 +12,21 @@ from megamoe.core.formats import WeightFormat
 from megamoe.core.hf_config import MoEConfig
 from megamoe.qwen4exp import reference, synthetic
 from megamoe.qwen4exp.block import Qwen4ExpMegaMoeBlock
-from megamoe.qwen4exp.config import ARCHITECTURE, MODEL_TYPE, Qwen4ExpConfig
+from megamoe.qwen4exp.config import ARCHITECTURES, MODEL_TYPES, MTP_BLOCK_PREFIX, Qwen4ExpConfig
 
 
 class Qwen4ExpAdapter(ModelAdapter):
-    """Qwen4Exp (Qwen3-Next-style MoE) checkpoints on megamoe."""
+    """Qwen4Exp and Qwen3-Next (the same sparse MoE block) checkpoints on megamoe.
+
+    Layouts: composite ``qwen4_exp`` saves (``model.language_model.layers.{L}.mlp``),
+    text-only ``qwen4_exp_text`` and ``qwen3_next`` ones (``model.layers.{L}.mlp``); the MTP
+    drafter's layers at ``mtp.layers.{j}.mlp``.
+    """
 
     name: ClassVar[str] = "qwen4exp"
     distribution: ClassVar[str] = "megamoe-qwen4exp"
-    model_types: ClassVar[tuple[str, ...]] = (MODEL_TYPE,)
-    architectures: ClassVar[tuple[str, ...]] = (ARCHITECTURE,)
+    model_types: ClassVar[tuple[str, ...]] = MODEL_TYPES
+    architectures: ClassVar[tuple[str, ...]] = ARCHITECTURES
     config_class: ClassVar[type[MoEConfig]] = Qwen4ExpConfig
     block_class: ClassVar[type[MoEBlock]] = Qwen4ExpMegaMoeBlock
     checkpoint_formats: ClassVar[tuple[WeightFormat, ...]] = (
@@ -32,6 +37,11 @@ class Qwen4ExpAdapter(ModelAdapter):
     )
 
     reference_forward = staticmethod(reference.reference_forward)
+
+    def mtp_block_prefix(self, config: MoEConfig, decoder: str, index: int) -> str:
+        """``mtp.layers.{index}.mlp``, whatever the decoder prefix."""
+        return MTP_BLOCK_PREFIX.format(index)
+
     synthetic_config = staticmethod(synthetic.synthetic_config)
 
     def synthetic_tensors(

@@ -92,8 +92,14 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
     def route(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k routing weights (float32) and expert ids (int32) of each token.
 
-        The router logits are computed in float32 from the bf16 weights, so the expert
-        choice does not hinge on bf16 rounding of near-equal logits.
+        Logits precision: float32, from the bf16 input and router weight (both widened
+        exactly). transformers computes them in the model dtype (bf16); a bf16 GEMM's
+        result depends on the kernel's accumulation order and output rounding, so bf16
+        logits would not reproduce the model's choice at near-ties anyway, while float32
+        logits are the closest to the exact product and the same on every device. Away
+        from near-ties both pick the same experts (checked against transformers). Softmax
+        over all experts in float32, top-k, renormalized (no epsilon) when
+        ``norm_topk_prob``.
         """
         logits = F.linear(hidden_states.float(), self.gate.weight.float())
         probs = torch.softmax(logits, dim=-1)

@@ -8,28 +8,82 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megamoe.core.hf_config import SWIGLU_ACT, bool_key, int_key, is_int, object_key, swiglu_act
+from megamoe.core.hf_config import (
+    SWIGLU_ACT,
+    bool_key,
+    int_key,
+    is_int,
+    quantization_config,
+    swiglu_act,
+    text_config,
+)
 
 MODEL_NAME = "Qwen4Exp"
-MODEL_TYPE = "qwen4_exp"
-ARCHITECTURE = "Qwen4ExpForCausalLM"
+MODEL_TYPE = "qwen4_exp"  # composite (vision-language) config, the hub release
+TEXT_MODEL_TYPE = "qwen4_exp_text"  # text-only save (Qwen4ExpForCausalLM)
+QWEN3_NEXT_MODEL_TYPE = "qwen3_next"  # the sibling family with the same MoE block
+MODEL_TYPES = (MODEL_TYPE, TEXT_MODEL_TYPE, QWEN3_NEXT_MODEL_TYPE)
+ARCHITECTURE = "Qwen4ExpForConditionalGeneration"
+ARCHITECTURES = (ARCHITECTURE, "Qwen4ExpForCausalLM", "Qwen3NextForCausalLM")
+# MTP drafter layer count: Qwen3.5/Qwen4Exp releases name it mtp_num_hidden_layers, other
+# loaders read num_nextn_predict_layers; transformers keeps either as a plain attribute.
+MTP_COUNT_KEYS = ("mtp_num_hidden_layers", "num_nextn_predict_layers")
+MTP_BLOCK_PREFIX = "mtp.layers.{}.mlp"  # the drafter sits beside the model, at mtp.*
+# transformers' class defaults of the keys read here (Qwen4ExpTextConfig,
+# Qwen3NextConfig), taken when config.json leaves a key out.
+DEFAULTS: dict[str, dict[str, int]] = {
+    MODEL_TYPE: {
+        "hidden_size": 2048,
+        "num_hidden_layers": 40,
+        "num_experts": 512,
+        "num_experts_per_tok": 10,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+    },
+    QWEN3_NEXT_MODEL_TYPE: {
+        "hidden_size": 2048,
+        "num_hidden_layers": 48,
+        "num_experts": 512,
+        "num_experts_per_tok": 10,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+    },
+}
+
+
+def model_family(config: Mapping[str, Any]) -> str:
+    """``qwen3_next`` for Qwen3-Next configs, else ``qwen4_exp`` (composite or text-only)."""
+    types = {config.get("model_type"), text_config(config).get("model_type")}
+    archs = config.get("architectures") or ()
+    if QWEN3_NEXT_MODEL_TYPE in types or "Qwen3NextForCausalLM" in archs:
+        return QWEN3_NEXT_MODEL_TYPE
+    return MODEL_TYPE
 
 
 @dataclass(frozen=True)
 class Qwen4ExpConfig:
-    """The keys of a Qwen4Exp (Qwen3-Next style) ``config.json`` that its MoE blocks use.
+    """The keys of a Qwen4Exp or Qwen3-Next ``config.json`` that their MoE blocks use.
+
+    Composite configs (``qwen4_exp``: the text model's keys under ``text_config``) and
+    text-only ones (``qwen4_exp_text``, ``qwen3_next``) are read alike; keys left out take
+    transformers' defaults.
 
     Attributes:
+        model_type: ``qwen4_exp`` (Qwen4Exp, composite or text-only) or ``qwen3_next``.
         num_experts: routed experts per MoE layer E (``num_routed_experts``).
         shared_expert_intermediate_size: shared expert width.
         norm_topk_prob: renormalize the top-k routing weights to sum to one.
         hidden_act: the experts' activation (``silu``: SwiGLU).
-        decoder_sparse_step: every ``decoder_sparse_step``-th layer is an MoE layer.
-        mlp_only_layers: layers that are dense MLPs regardless of the step.
+        decoder_sparse_step: Qwen3-Next: every ``decoder_sparse_step``-th layer is an MoE
+            layer (Qwen4Exp has an MoE block in every layer and ignores the key).
+        mlp_only_layers: Qwen3-Next: layers that are dense MLPs regardless of the step.
+        num_nextn_predict_layers: MTP drafter layers (``mtp_num_hidden_layers`` or
+            ``num_nextn_predict_layers``; 0 when neither is set).
 
     Note:
         The other fields are the ``megamoe.core.hf_config.MoEConfig`` ones
-        (``quantization_config`` is None when unquantized).
+        (``quantization_config`` is None when unquantized; ``swiglu_limit`` is always None:
+        Qwen experts do not clamp).
     """
 
     hidden_size: int
@@ -38,6 +92,7 @@ class Qwen4ExpConfig:
     moe_intermediate_size: int
     shared_expert_intermediate_size: int
     num_hidden_layers: int
+    model_type: str = MODEL_TYPE
     norm_topk_prob: bool = True
     hidden_act: str = SWIGLU_ACT
     decoder_sparse_step: int = 1
@@ -50,45 +105,42 @@ class Qwen4ExpConfig:
         """Read and validate the keys from a ``config.json`` mapping (``MoEConfig.from_dict``).
 
         Raises:
-            ValueError: a missing or invalid key; the message names the key, the value and
-                the rule.
+            ValueError: an invalid key; the message names the key, the value and the rule.
             NotImplementedError: ``hidden_act`` other than ``silu``.
         """
+        family = model_family(config)
+        text = text_config(config)
+        defaults = DEFAULTS[family]
         sizes = {
-            key: int_key(config, key, model=MODEL_NAME)
-            for key in (
-                "hidden_size",
-                "num_experts",
-                "num_experts_per_tok",
-                "moe_intermediate_size",
-                "shared_expert_intermediate_size",
-                "num_hidden_layers",
-            )
+            key: int_key(text, key, model=MODEL_NAME, default=default)
+            for key, default in defaults.items()
         }
         if sizes["num_experts_per_tok"] > sizes["num_experts"]:
             raise ValueError(
                 f"config.json: num_experts_per_tok={sizes['num_experts_per_tok']} exceeds "
                 f"num_experts={sizes['num_experts']}; a token cannot pick more experts than exist"
             )
-        mlp_only = config.get("mlp_only_layers") or []
-        num_layers = sizes["num_hidden_layers"]
-        if not isinstance(mlp_only, list | tuple) or not all(
-            is_int(i) and 0 <= i < num_layers for i in mlp_only
-        ):
-            raise ValueError(
-                f"config.json: mlp_only_layers={mlp_only!r} must list layer indices in "
-                f"[0, num_hidden_layers={num_layers})"
-            )
+        # Qwen3-Next's layer rule; Qwen4Exp ignores these keys, as transformers does.
+        qwen3_next = family == QWEN3_NEXT_MODEL_TYPE
+        step = (
+            int_key(text, "decoder_sparse_step", model=MODEL_NAME, default=1) if qwen3_next else 1
+        )
+        mlp_only = _layer_list(text, sizes["num_hidden_layers"]) if qwen3_next else ()
+        mtp_key = next((k for k in MTP_COUNT_KEYS if text.get(k) is not None), MTP_COUNT_KEYS[0])
         return cls(
-            **sizes,
-            norm_topk_prob=bool_key(config, "norm_topk_prob", default=True),
-            hidden_act=swiglu_act(config),
-            decoder_sparse_step=int_key(config, "decoder_sparse_step", model=MODEL_NAME, default=1),
-            mlp_only_layers=tuple(sorted(set(mlp_only))),
-            num_nextn_predict_layers=int_key(
-                config, "num_nextn_predict_layers", model=MODEL_NAME, default=0, minimum=0
-            ),
-            quantization_config=object_key(config, "quantization_config") or None,
+            hidden_size=sizes["hidden_size"],
+            num_experts=sizes["num_experts"],
+            num_experts_per_tok=sizes["num_experts_per_tok"],
+            moe_intermediate_size=sizes["moe_intermediate_size"],
+            shared_expert_intermediate_size=sizes["shared_expert_intermediate_size"],
+            num_hidden_layers=sizes["num_hidden_layers"],
+            decoder_sparse_step=step,
+            mlp_only_layers=mlp_only,
+            model_type=family,
+            norm_topk_prob=bool_key(text, "norm_topk_prob", default=True),
+            hidden_act=swiglu_act(text),
+            num_nextn_predict_layers=int_key(text, mtp_key, model=MODEL_NAME, default=0, minimum=0),
+            quantization_config=quantization_config(config),
         )
 
     @classmethod
@@ -111,10 +163,32 @@ class Qwen4ExpConfig:
         return cls.from_dict(data)
 
     @property
+    def swiglu_limit(self) -> float | None:
+        """Qwen experts do not clamp SwiGLU: always None."""
+        return None
+
+    @property
     def num_routed_experts(self) -> int:
         """Routed experts per MoE layer (``num_experts``)."""
         return self.num_experts
 
     def is_moe_layer(self, index: int) -> bool:
-        """Whether main-model layer ``index`` is a sparse MoE layer (Qwen3-Next rule)."""
+        """Whether main-model layer ``index`` is an MoE layer.
+
+        Qwen4Exp: every decoder layer. Qwen3-Next: every ``decoder_sparse_step``-th layer
+        not in ``mlp_only_layers``.
+        """
         return index not in self.mlp_only_layers and (index + 1) % self.decoder_sparse_step == 0
+
+
+def _layer_list(config: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
+    """``mlp_only_layers`` as sorted layer indices in ``[0, num_layers)``."""
+    mlp_only = config.get("mlp_only_layers") or []
+    if not isinstance(mlp_only, list | tuple) or not all(
+        is_int(i) and 0 <= i < num_layers for i in mlp_only
+    ):
+        raise ValueError(
+            f"config.json: mlp_only_layers={mlp_only!r} must list layer indices in "
+            f"[0, num_hidden_layers={num_layers})"
+        )
+    return tuple(sorted(set(mlp_only)))

@@ -1,7 +1,8 @@
 """Float64 forward of a Qwen4Exp MoE layer straight from its checkpoint tensors.
 
 Independent of the loading path (no experts module, no requantization, no backend): every
-tensor is read from the checkpoint and dequantized, and the layer is computed in float64.
+tensor is read from the checkpoint and dequantized (fused experts as their per-expert
+slices, ``CheckpointReader.get_tensor``), and the layer is computed in float64.
 It checks a loaded block.
 """
 
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from megamoe.core import quant
-from megamoe.core.expert_names import FUSED_DOWN, FUSED_GATE_UP, WEIGHT, WEIGHT_PACKED
+from megamoe.core.expert_names import WEIGHT, WEIGHT_PACKED
 from megamoe.core.formats import WeightFormat
 from megamoe.core.quant_config import detect_expert_format
 from megamoe.qwen4exp.config import Qwen4ExpConfig
@@ -71,19 +72,11 @@ def reference_forward(
 
     experts = f"{prefix}.experts"
     fmt = detect_expert_format(quant_config, experts, num_experts=cfg.num_experts)
-    fused = f"{experts}.{FUSED_GATE_UP}" in names
-    if fused:
-        gate_up = reader.get_tensor(f"{experts}.{FUSED_GATE_UP}").double()
-        down_all = reader.get_tensor(f"{experts}.{FUSED_DOWN}").double()
     out = torch.zeros_like(x)
     for expert in topk_ids.unique().tolist():
-        if fused:
-            gate, up = gate_up[expert].chunk(2)
-            down = down_all[expert]
-        else:
-            gate, up, down = (
-                _projection(reader, f"{experts}.{expert}.{p}", fmt, names) for p in _PROJS
-            )
+        gate, up, down = (
+            _projection(reader, f"{experts}.{expert}.{p}", fmt, names) for p in _PROJS
+        )
         rows, slot = (topk_ids == expert).nonzero(as_tuple=True)
         weight = topk_weights[rows, slot].unsqueeze(-1)
         out.index_add_(0, rows, weight * _swiglu(x[rows], gate, up, down))

@@ -13,11 +13,17 @@ from typing import Any
 
 import torch
 
-from megamoe.core.adapters import MoELayer, SyntheticSizes
+from megamoe.core.adapters import COMPOSITE_DECODER, MLP, MoELayer, SyntheticSizes
 from megamoe.core.expert_names import WEIGHT, WEIGHT_PACKED
 from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
 from megamoe.core.testing import synthetic_dense, synthetic_expert_tensors
-from megamoe.qwen4exp.config import ARCHITECTURE, MODEL_TYPE, Qwen4ExpConfig
+from megamoe.qwen4exp.config import (
+    ARCHITECTURE,
+    MODEL_TYPE,
+    MTP_BLOCK_PREFIX,
+    TEXT_MODEL_TYPE,
+    Qwen4ExpConfig,
+)
 
 NUM_MTP_LAYERS = 1  # the synthetic model has an MTP drafter layer
 ROUTER_STD = 0.08  # router logits of order 1 for unit-size activations at H = 256
@@ -27,28 +33,33 @@ SHARED_GATE_STD = 0.05
 def synthetic_config(fmt: WeightFormat, sizes: SyntheticSizes) -> dict[str, Any]:
     """``config.json`` of a small Qwen4Exp model storing its experts as ``fmt``.
 
-    BF16: no quantization config. FP8_BLOCK: HF ``fp8`` with 128x128 blocks. MXFP8: the
-    ``mxfp8`` quant method. MXFP4: compressed-tensors ``mxfp4-pack-quantized`` (weights
-    named ``weight_packed``). Every layer, the MTP one included, is an MoE layer.
+    Laid out as the release: a composite ``qwen4_exp`` config with the text model's keys
+    under ``text_config`` (layers at ``model.language_model.layers.{L}``), the MTP drafter
+    at ``mtp.layers.{j}`` (``mtp_num_hidden_layers``) and ``quantization_config`` at the
+    top level. BF16: no quantization config. FP8_BLOCK: HF ``fp8`` with 128x128 blocks.
+    MXFP8: the ``mxfp8`` quant method. MXFP4: compressed-tensors ``mxfp4-pack-quantized``
+    (weights named ``weight_packed``). Every layer, the MTP one included, is an MoE layer.
     """
     config: dict[str, Any] = {
         "model_type": MODEL_TYPE,
         "architectures": [ARCHITECTURE],
-        "hidden_size": sizes.hidden_size,
-        "num_experts": sizes.num_experts,
-        "num_experts_per_tok": sizes.top_k,
-        "moe_intermediate_size": sizes.intermediate_size,
-        "shared_expert_intermediate_size": sizes.shared_intermediate_size,
-        "num_hidden_layers": sizes.num_layers,
-        "num_nextn_predict_layers": NUM_MTP_LAYERS,
-        "norm_topk_prob": True,
-        "hidden_act": "silu",
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "torch_dtype": "bfloat16",
+        "text_config": {
+            "model_type": TEXT_MODEL_TYPE,
+            "hidden_size": sizes.hidden_size,
+            "num_experts": sizes.num_experts,
+            "num_experts_per_tok": sizes.top_k,
+            "moe_intermediate_size": sizes.intermediate_size,
+            "shared_expert_intermediate_size": sizes.shared_intermediate_size,
+            "num_hidden_layers": sizes.num_layers,
+            "mtp_num_hidden_layers": NUM_MTP_LAYERS,
+            "norm_topk_prob": True,
+            "hidden_act": "silu",
+            "dtype": "bfloat16",
+        },
+        "dtype": "bfloat16",
     }
-    blocks = [f"model.layers.{i}.mlp" for i in range(sizes.num_layers)]
-    blocks += [f"mtp.layers.{i}.mlp" for i in range(NUM_MTP_LAYERS)]
+    blocks = [f"{COMPOSITE_DECODER}.{i}.{MLP}" for i in range(sizes.num_layers)]
+    blocks += [MTP_BLOCK_PREFIX.format(i) for i in range(NUM_MTP_LAYERS)]
     dense = ["lm_head"] + [f"{b}.{n}" for b in blocks for n in ("gate", "shared_expert_gate")]
     if fmt is WeightFormat.FP8_BLOCK:
         config["quantization_config"] = {

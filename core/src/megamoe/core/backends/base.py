@@ -41,8 +41,8 @@ class ExpertsBackend(abc.ABC):
         Called by the ``MegaMoEExperts`` constructor before any weight is allocated: only
         the sizes and settings (``hidden_size``, ``intermediate_size``, ``top_k``,
         ``num_experts``, ``num_local_experts``, ``num_shared_experts``, ``max_num_tokens``,
-        ``process_group``, ``device``, ``weight_format``) are set then. The default accepts
-        everything.
+        ``process_group``, ``device``, ``weight_format``, ``swiglu_limit``) are set then. The
+        default accepts everything.
 
         Raises:
             ValueError: a size the backend cannot run, naming it, the value and the rule.

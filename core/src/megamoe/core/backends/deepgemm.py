@@ -93,6 +93,14 @@ REQUIRED_API: dict[str, tuple[str, ...]] = {
 # ``num_shared_experts``, the API generation that documents that mma_type; a build that
 # still refuses it fails at buffer allocation with a CapabilityError.
 FP8XFP8_MARKER = "num_shared_experts"
+# Keyword of the MegaMoE entry points that clamps the SwiGLU inputs (GLM's swiglu_limit).
+CLAMP_KEYWORD = "activation_clamp"
+KERNEL_FUNCTIONS = {
+    KIND_SM90: "fp8_mega_moe",
+    KIND_FP8XFP4: "fp8_fp4_mega_moe",
+    KIND_FP8XFP8: "fp8_fp4_mega_moe",
+    KIND_BF16: "bf16_mega_moe",
+}
 
 
 def _device_arch(device: torch.device) -> str:
@@ -226,13 +234,24 @@ class DeepGemmBackend(ExpertsBackend):
 
         Raises:
             CapabilityError: no kernel for the format here, a missing DeepGEMM function,
-                or fused shared experts.
+                a kernel that cannot clamp SwiGLU for experts with a ``swiglu_limit``, or
+                fused shared experts.
             ImportError: ``deep_gemm`` does not import.
             ValueError: an intermediate size beyond the Hopper kernel's limit, or
                 ``process_group=None`` while several ranks run.
         """
-        _, kind = resolve_kernel(experts.weight_format, experts.device)
+        module, kind = resolve_kernel(experts.weight_format, experts.device)
         label = experts.layout.label
+        kernel_fn = KERNEL_FUNCTIONS[kind]
+        if experts.swiglu_limit is not None and not _takes(
+            getattr(module, kernel_fn), CLAMP_KEYWORD
+        ):
+            raise CapabilityError(
+                f"{label}: the experts clamp SwiGLU at swiglu_limit={experts.swiglu_limit:g}, "
+                f"but the installed deep_gemm.{kernel_fn} takes no {CLAMP_KEYWORD}; running "
+                f"without the clamp would be wrong: pip install {PIP_PACKAGE} (a build whose "
+                "MegaMoE kernels take activation_clamp) or use backend='reference'"
+            )
         if experts.num_shared_experts:
             raise CapabilityError(
                 f"{label}: the DeepGEMM backend does not fuse shared experts "
@@ -302,7 +321,7 @@ class DeepGemmBackend(ExpertsBackend):
                     "another run format"
                 ) from exc
 
-        return get_symm_buffer(key, experts.kernel_tag, allocate)
+        return get_symm_buffer(key, experts.kernel_tag.buffer_tag, allocate)
 
     def forward(
         self,
@@ -331,11 +350,11 @@ class DeepGemmBackend(ExpertsBackend):
                 f"{entry.capacity} tokens per rank; raise max_num_tokens (now "
                 f"{experts.max_num_tokens}) when building the layer, or split the batch"
             )
-        check_tags(
-            experts.kernel_tag, {"symmetric buffer": entry.buffer, **self._layout.named()}, label
-        )
+        check_tags(experts.kernel_tag.buffer_tag, {"symmetric buffer": entry.buffer}, label)
+        check_tags(experts.kernel_tag, self._layout.named(), label)
         l1w, l1s, l2w, l2s = self._layout.pieces
         buf = entry.buffer
+        clamp = {CLAMP_KEYWORD: experts.swiglu_limit} if experts.swiglu_limit is not None else {}
         with _on_device(experts.device):
             x = hidden_states.contiguous()
             weights = topk_weights.to(torch.float32).contiguous()
@@ -344,7 +363,7 @@ class DeepGemmBackend(ExpertsBackend):
                 ids = topk_ids.to(torch.int32).contiguous()
                 staged = (buf.x, buf.x_sf, buf.topk_idx, buf.topk_weights)
                 module.mega_moe_pre_dispatch_sm90(x, ids, weights, *staged, tokens)
-                module.fp8_mega_moe(y, (l1w, l1s), (l2w, l2s), buf)
+                module.fp8_mega_moe(y, (l1w, l1s), (l2w, l2s), buf, **clamp)
                 return y
             if kind == KIND_BF16:
                 buf.x[:tokens].copy_(x)
@@ -355,7 +374,7 @@ class DeepGemmBackend(ExpertsBackend):
             buf.topk_idx[:tokens].copy_(topk_ids)
             buf.topk_weights[:tokens].copy_(weights)
             if kind == KIND_BF16:
-                module.bf16_mega_moe(y, l1w, l2w, buf)
+                module.bf16_mega_moe(y, l1w, l2w, buf, **clamp)
             else:
-                module.fp8_fp4_mega_moe(y, (l1w, l1s), (l2w, l2s), buf)
+                module.fp8_fp4_mega_moe(y, (l1w, l1s), (l2w, l2s), buf, **clamp)
         return y

@@ -2,8 +2,10 @@
 
 The numerical oracle for the kernels (SPEC §3.5). Each local expert's weights are
 dequantized to float32 inside the loop (one expert at a time: no float copy of all weights
-is kept). Per expert: ``h = x @ w13.T``, ``a = silu(gate) * up``, ``y = a @ w2.T``, weighted
-by the token's top-k weight, summed per token; fused shared experts add with weight 1.
+is kept). Per expert: ``h = x @ w13.T``, ``a = silu(gate) * up`` (gate and up clamped first
+when the experts have a ``swiglu_limit``, as the kernel's ``activation_clamp``),
+``y = a @ w2.T``, weighted by the token's top-k weight, summed per token; fused shared
+experts add with weight 1.
 
 With ``emulate_kernel=True`` activations are rounded as the kernel rounds them: on the
 SM100 formats (MXFP8, MXFP4) the input and the SwiGLU output go through FP8 E4M3 with
@@ -29,11 +31,11 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from megamoe.core import quant
 from megamoe.core.backends.base import ExpertsBackend
 from megamoe.core.formats import WeightFormat
+from megamoe.core.swiglu import swiglu
 from megamoe.core.tagging import check_tags, tag
 
 if TYPE_CHECKING:
@@ -92,10 +94,11 @@ def _expert_mlp(
     w2: torch.Tensor,
     weight: torch.Tensor,
     rounding: KernelRounding | None,
+    swiglu_limit: float | None,
 ) -> torch.Tensor:
-    """``weight * (silu(x W1^T) * (x W3^T)) W2^T`` in float32, rounding as the kernel does."""
+    """``weight * swiglu(x W1^T, x W3^T) W2^T`` in float32, rounding as the kernel does."""
     gate, up = (x @ w13.T).chunk(2, dim=-1)
-    act = F.silu(gate) * up
+    act = swiglu(gate, up, swiglu_limit)
     if rounding is None:
         return (act @ w2.T) * weight[:, None]
     return rounding.intermediate(act * weight[:, None]) @ w2.T
@@ -156,7 +159,9 @@ class ReferenceBackend(ExpertsBackend):
                 continue
             token, k = hits.unbind(1)
             w13, w2 = self._dense(experts, "w13", "w2", slot)
-            out[token, k] = _expert_mlp(x[token], w13, w2, topk_weights[token, k], rounding)
+            out[token, k] = _expert_mlp(
+                x[token], w13, w2, topk_weights[token, k], rounding, experts.swiglu_limit
+            )
         return out
 
     def _shared(self, experts: MegaMoEExperts, x: torch.Tensor) -> torch.Tensor | None:
@@ -165,7 +170,7 @@ class ReferenceBackend(ExpertsBackend):
         ones = x.new_ones(x.shape[0])
         for s in range(experts.num_shared_experts):
             w13, w2 = self._dense(experts, "shared_l1", "shared_l2", s)
-            y = _expert_mlp(x, w13, w2, ones, self._rounding(experts))
+            y = _expert_mlp(x, w13, w2, ones, self._rounding(experts), experts.swiglu_limit)
             total = y if total is None else total + y
         return total
 
