@@ -18,6 +18,9 @@ PACKAGES = {"core": "core", "qwen4exp": "qwen4exp", "glm5next": "glm5next"}
 DEPENDS = {"core": (), "qwen4exp": ("core",), "glm5next": ("core",)}
 FORMATS = ("bf16", "fp8_block", "mxfp8", "mxfp4")
 TEST_DEPS = ("pytest>=8", "hypothesis>=6")
+# The external oracle of the adapter and cross-package tests (testing/transformers_oracle.py):
+# the release that ships qwen4_exp and glm5_next. A test dependency only.
+ORACLE_DEPS = ("transformers==5.24.0",)
 SOURCE_PATHS = ("core/src", "qwen4exp/src", "glm5next/src")
 
 nox.options.sessions = ["lint", "typecheck", "tests"]
@@ -48,9 +51,12 @@ def tests(session: nox.Session, target: str, weight_format: str) -> None:
     """CPU tests: one package alone, or everything for one weight format."""
     if target == "all":
         _install(session, "core", "qwen4exp", "glm5next")
+        session.install(*CONSTRAINTS, *ORACLE_DEPS)
         _run_tests(session, ["tests"], f"--weight-format={weight_format}")
         return
     _install(session, *DEPENDS[target], target)
+    if target != "core":
+        session.install(*CONSTRAINTS, *ORACLE_DEPS)
     _run_tests(session, [f"{PACKAGES[target]}/tests"])
 
 

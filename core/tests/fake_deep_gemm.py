@@ -10,7 +10,13 @@ with ``mma_type``, ``transform_sf_into_required_layout``, ``transform_weights_fo
 - the kernels accept only weight slices that one of its transforms produced (so untransformed
   or hand-rearranged weights are refused), decode them from the kernel layout (undoing the
   gate/up interleave and the scale rearrangement), and compute the MoE in float64 with the
-  kernel's activation rounding, so tests can compare outputs with an independent reference.
+  kernel's activation rounding, so tests can compare outputs with an independent reference;
+- ``activation_clamp=L`` clamps the SwiGLU inputs as the kernels do (``gate <= L``,
+  ``-L <= up <= L``, then ``silu(gate) * up``, then the top-k weight).
+
+API generations: ``kinds`` without ``"fp8xfp8"`` gives the buffer factory before
+``num_shared_experts``; ``activation_clamp=False`` gives kernels from before the SwiGLU clamp
+(their signatures lack ``activation_clamp`` and refuse it as an unexpected keyword).
 
 The decoders here are written independently of ``megamoe.core`` on purpose.
 """
@@ -18,6 +24,8 @@ The decoders here are written independently of ``megamoe.core`` on purpose.
 from __future__ import annotations
 
 import hashlib
+import inspect
+import math
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -33,6 +41,7 @@ UTCCP_ROWS = 128  # scale rows are rearranged within groups of 128
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E4M3_MAX = 448.0
 TOKEN_ALIGN = 64  # the fake rounds a buffer's token count up to this (DeepGEMM does too)
+KERNELS = frozenset({"fp8_mega_moe", "fp8_fp4_mega_moe", "bf16_mega_moe"})
 
 
 class FakeDeepGemmError(RuntimeError):
@@ -42,6 +51,35 @@ class FakeDeepGemmError(RuntimeError):
 def _need(ok: bool, message: str) -> None:
     if not ok:
         raise FakeDeepGemmError(message)
+
+
+def _check_clamp(activation_clamp: Any) -> float | None:
+    """The kernels' SwiGLU clamp: None, or a finite float > 0."""
+    if activation_clamp is None:
+        return None
+    _need(
+        isinstance(activation_clamp, float)
+        and math.isfinite(activation_clamp)
+        and activation_clamp > 0,
+        f"activation_clamp={activation_clamp!r}: a finite float > 0, or None",
+    )
+    return activation_clamp
+
+
+def _without_clamp(fn: Any) -> Any:
+    """``fn`` as the generation before ``activation_clamp``: the keyword is not taken."""
+    signature = inspect.signature(fn)
+    older = signature.replace(
+        parameters=[p for n, p in signature.parameters.items() if n != "activation_clamp"]
+    )
+
+    def kernel(*args: Any, **kwargs: Any) -> None:
+        bound = older.bind(*args, **kwargs)  # TypeError on activation_clamp, as Python gives
+        return fn(**bound.arguments)
+
+    kernel.__name__ = kernel.__qualname__ = fn.__name__
+    kernel.__signature__ = older  # type: ignore[attr-defined]
+    return kernel
 
 
 def _check(t: Any, what: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
@@ -168,10 +206,12 @@ class FakeDeepGemm:
     arch: str = "sm100"
     kinds: frozenset[str] = SM100_KINDS
     device: str = "cpu"
+    activation_clamp: bool = True  # False: kernels of the generation without the clamp
     buffers: list[FakeBuffer] = field(default_factory=list)
     transformed: set[bytes] = field(default_factory=set)
     transform_calls: int = 0
     kernel_calls: int = 0
+    clamps: list[float | None] = field(default_factory=list)  # activation_clamp per call
     _sf_outputs: weakref.WeakSet = field(default_factory=weakref.WeakSet)
 
     def module(self) -> types.ModuleType:
@@ -191,7 +231,10 @@ class FakeDeepGemm:
             if "bf16xbf16" in self.kinds:
                 names.append("bf16_mega_moe")
         for name in names:
-            mod.__dict__[name] = getattr(self, name)
+            fn = getattr(self, name)
+            if name in KERNELS and not self.activation_clamp:
+                fn = _without_clamp(fn)
+            mod.__dict__[name] = fn
         if "fp8xfp8" in self.kinds:  # the API generation with mma_type="fp8xfp8"
             mod.__dict__["get_symm_buffer_for_mega_moe"] = self._buffer_fn_with_shared()
         return mod
@@ -473,10 +516,8 @@ class FakeDeepGemm:
         fast_math: bool = True,
     ) -> None:
         buf, tokens = self._check_call(y, sym_buffer, ("fp8xfp4", "fp8xfp8"), "an FP8")
-        _need(
-            tuple(recipe) == (1, 1, 32) and activation == "swiglu" and activation_clamp is None,
-            "recipe/activation",
-        )
+        _need(tuple(recipe) == (1, 1, 32) and activation == "swiglu", "recipe/activation")
+        clamp = _check_clamp(activation_clamp)
         (w1, sf1), (w2, sf2) = l1_weights, l2_weights
         fp4 = buf.kind == "fp8xfp4"
         dtype, per_byte = (torch.int8, 2) if fp4 else (torch.float8_e4m3fn, 1)
@@ -502,7 +543,7 @@ class FakeDeepGemm:
         w13 = deinterleave(decode(w1, un_utccp(sf1)))
         w2f = decode(w2, un_utccp(sf2))
         x = buf.x[:tokens].double() * packed_to_scale(buf.x_sf[:tokens]).repeat_interleave(32, -1)
-        self._moe(y, x, buf, w13, w2f, round_mxfp8)
+        self._moe(y, x, buf, w13, w2f, round_mxfp8, clamp)
 
     def bf16_mega_moe(
         self,
@@ -516,6 +557,8 @@ class FakeDeepGemm:
         fast_math: bool = True,
     ) -> None:
         buf, tokens = self._check_call(y, sym_buffer, ("bf16xbf16",), "a BF16")
+        _need(activation == "swiglu", f"activation {activation}")
+        clamp = _check_clamp(activation_clamp)
         e, h, i = buf.dims()
         _check(l1_weights, "l1 weight", torch.bfloat16, (e, 2 * i, h))
         _check(l2_weights, "l2 weight", torch.bfloat16, (e, h, i))
@@ -528,6 +571,7 @@ class FakeDeepGemm:
             deinterleave(l1_weights.double()),
             l2_weights.double(),
             lambda a: a.to(torch.bfloat16).double(),
+            clamp,
         )
 
     def mega_moe_pre_dispatch_sm90(
@@ -588,6 +632,7 @@ class FakeDeepGemm:
     ) -> None:
         buf, tokens = self._check_call(y, sym_buffer, (SM90_KIND,), "a Hopper")
         _need(tuple(recipe) == (128, 128, 128) and activation == "swiglu", "recipe/activation")
+        clamp = _check_clamp(activation_clamp)
         (w1, s1), (w2, s2) = l1_weights, l2_weights
         e, h, i = buf.dims()
         _check(w1, "l1 weight", torch.float8_e4m3fn, (e, 2 * i, h))
@@ -608,7 +653,8 @@ class FakeDeepGemm:
         w13 = deinterleave(w1.double()) * blocks(s1)  # scales are in [gate | up] order already
         assert buf.x_sf is not None
         x = buf.x[:tokens].double() * buf.x_sf[:tokens].double().repeat_interleave(128, -1)
-        self._moe(y, x, buf, w13, w2.double() * blocks(s2), lambda a: round_pow2_fp8(a, 64))
+        w2f = w2.double() * blocks(s2)
+        self._moe(y, x, buf, w13, w2f, lambda a: round_pow2_fp8(a, 64), clamp)
 
     def _moe(
         self,
@@ -618,9 +664,14 @@ class FakeDeepGemm:
         w13: torch.Tensor,
         w2: torch.Tensor,
         rounding: Any,
+        clamp: float | None,
     ) -> None:
-        """y = sum over top-k of w * rounding(silu(gate) * up * w ... ) @ w2, in float64."""
+        """y = sum over top-k of rounding(silu(gate) * up * w) @ w2, in float64.
+
+        With ``clamp`` L: ``gate <= L`` and ``-L <= up <= L`` before the SiLU.
+        """
         self.kernel_calls += 1
+        self.clamps.append(clamp)
         tokens, i = x.shape[0], buf.intermediate_hidden
         ids, weights = buf.topk_idx[:tokens], buf.topk_weights[:tokens].double()
         out = torch.zeros((tokens, buf.hidden), dtype=torch.float64)
@@ -630,6 +681,9 @@ class FakeDeepGemm:
             if tok.numel() == 0:
                 continue
             h = x[tok] @ w13[e].T
-            act = F.silu(h[:, :i]) * h[:, i:] * weights[tok, slot, None]
+            gate, up = h[:, :i], h[:, i:]
+            if clamp is not None:
+                gate, up = gate.clamp(max=clamp), up.clamp(-clamp, clamp)
+            act = F.silu(gate) * up * weights[tok, slot, None]
             out.index_add_(0, tok, rounding(act) @ w2[e].T)
         y.copy_(out.to(torch.bfloat16))

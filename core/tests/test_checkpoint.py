@@ -160,6 +160,41 @@ def test_synthetic_checkpoint_opens_and_checks(tmp_path: Path, toy_adapter, fmt)
     assert names and all(n.startswith("3.") for n in names)
 
 
+def test_fused_experts_read_as_per_expert_slices_of_the_kept_experts(
+    tmp_path: Path, toy_adapter
+) -> None:
+    config = toy_adapter.synthetic_config(WeightFormat.BF16, SIZES) | {"toy_fused": True}
+    write_checkpoint(tmp_path, config, toy_adapter.synthetic_tensors(config))
+    reader, _ = open_checkpoint(tmp_path)
+    experts = "model.layers.1.mlp.experts"
+    fused = {n: reader.get_tensor(f"{experts}.{n}") for n in ("gate_up_proj", "down_proj")}
+    inter = SIZES.intermediate_size
+    # This rank holds experts 1 and 3: the fused tensors come as their projections only.
+    kept = {"1", "3"}
+    stream = dict(reader.iter_tensors(experts, keep=lambda n: n.split(".")[0] in kept))
+    assert sorted(stream) == [
+        f"{e}.{p}.weight" for e in (1, 3) for p in ("down_proj", "gate_proj", "up_proj")
+    ]
+    for e in (1, 3):
+        assert torch.equal(stream[f"{e}.gate_proj.weight"], fused["gate_up_proj"][e, :inter])
+        assert torch.equal(stream[f"{e}.up_proj.weight"], fused["gate_up_proj"][e, inter:])
+        assert torch.equal(stream[f"{e}.down_proj.weight"], fused["down_proj"][e])
+        assert stream[f"{e}.gate_proj.weight"].is_contiguous()
+    # One projection on its own, as the float64 references read them.
+    piece = reader.fused_piece(f"{experts}.2.up_proj.weight")
+    assert piece is not None and (piece.stored, piece.expert, piece.rows) == (
+        f"{experts}.gate_up_proj",
+        2,
+        (inter, 2 * inter),
+    )
+    assert torch.equal(
+        reader.get_tensor(f"{experts}.2.up_proj.weight"), fused["gate_up_proj"][2, inter:]
+    )
+    assert reader.fused_piece(f"{experts}.{SIZES.num_experts}.up_proj.weight") is None
+    with pytest.raises(CheckpointError, match=r"no tensor .*experts\.9\.up_proj\.weight"):
+        reader.get_tensor(f"{experts}.9.up_proj.weight")
+
+
 def test_synthetic_checkpoint_refuses_unknown_adapter(tmp_path: Path, toy_adapter) -> None:
     with pytest.raises(LookupError, match=r"no installed megamoe adapter named 'nope'.*toymoe"):
         write_synthetic_checkpoint(tmp_path, "nope", "bf16")

@@ -70,11 +70,20 @@ def _fresh_buffers() -> Iterator[None]:
 
 
 def install(
-    monkeypatch: pytest.MonkeyPatch, arch: str, kinds: frozenset[str] | None = None
+    monkeypatch: pytest.MonkeyPatch,
+    arch: str,
+    kinds: frozenset[str] | None = None,
+    *,
+    activation_clamp: bool = True,
 ) -> object:
-    """Put a fake deep_gemm in sys.modules, fake the architecture and the one-rank group."""
+    """Put a fake deep_gemm in sys.modules, fake the architecture and the one-rank group.
+
+    ``activation_clamp=False`` installs the API generation whose kernels lack that keyword.
+    """
     default = frozenset({fake_dg.SM90_KIND}) if arch == "sm90" else fake_dg.SM100_KINDS
-    fake = fake_dg.FakeDeepGemm(arch=arch, kinds=default if kinds is None else kinds)
+    fake = fake_dg.FakeDeepGemm(
+        arch=arch, kinds=default if kinds is None else kinds, activation_clamp=activation_clamp
+    )
     monkeypatch.setitem(sys.modules, "deep_gemm", fake.module())
     monkeypatch.setattr(dg_backend, "_device_arch", lambda device: arch)
     group = fake_dg.FakeGroup()
@@ -83,7 +92,13 @@ def install(
 
 
 def build(
-    fmt: WeightFormat, backend: str, *, seed: int = 0, max_tokens: int = T, emulate: bool = False
+    fmt: WeightFormat,
+    backend: str,
+    *,
+    seed: int = 0,
+    max_tokens: int = T,
+    emulate: bool = False,
+    swiglu_limit: float | None = None,
 ) -> MegaMoEExperts:
     experts = one_rank_experts(
         E,
@@ -97,6 +112,7 @@ def build(
         device="cpu",
         prefix=PREFIX,
         emulate_kernel=emulate,
+        swiglu_limit=swiglu_limit,
     )
     experts.load_weights(synthetic_expert_tensors(fmt, E, H, INTER, seed=seed))
     experts.finalize()
@@ -130,6 +146,28 @@ def _decode(fmt: WeightFormat, weight: torch.Tensor, scale: torch.Tensor | None)
     return values * torch.exp2(scale.double() - 127).repeat_interleave(32, 1)
 
 
+def experts64(
+    fmt: WeightFormat, seed: int = 0, overrides: dict[int, int] | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per expert: float64 (W1, W3, W2) of the checkpoint; ``overrides`` maps an expert to
+    the seed of the checkpoint its weights come from."""
+    tensors: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
+    for s in {seed, *(overrides or {}).values()}:
+        for name, t in synthetic_expert_tensors(fmt, E, H, INTER, seed=s):
+            expert, proj, kind = name.split(".")
+            tensors.setdefault(s, {}).setdefault(f"{expert}.{proj}", {})[kind] = t
+    scale_name = fmt.scale_name
+    out = []
+    for e in range(E):
+        src = tensors[(overrides or {}).get(e, seed)]
+        w1, w3, w2 = (
+            _decode(fmt, src[f"{e}.{p}"]["weight"], src[f"{e}.{p}"].get(scale_name or ""))
+            for p in ("gate_proj", "up_proj", "down_proj")
+        )
+        out.append((w1, w3, w2))
+    return out
+
+
 def float64_moe(
     fmt: WeightFormat,
     x: torch.Tensor,
@@ -137,25 +175,21 @@ def float64_moe(
     ids: torch.Tensor,
     seed: int = 0,
     overrides: dict[int, int] | None = None,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
-    """sum_k w_k * (silu(x W1^T) * (x W3^T)) W2^T in float64; ``overrides`` maps an expert
-    to the seed of the checkpoint its weights come from."""
-    tensors: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
-    for s in {seed, *(overrides or {}).values()}:
-        for name, t in synthetic_expert_tensors(fmt, E, H, INTER, seed=s):
-            expert, proj, kind = name.split(".")
-            tensors.setdefault(s, {}).setdefault(f"{expert}.{proj}", {})[kind] = t
-    scale_name = fmt.scale_name
+    """sum_k w_k * (silu(x W1^T) * (x W3^T)) W2^T in float64; with ``swiglu_limit`` L the
+    gate is clamped to <= L and up to [-L, L] first."""
     out = torch.zeros(x.shape, dtype=torch.float64)
-    for e in range(E):
-        src = tensors[(overrides or {}).get(e, seed)]
-        w1, w3, w2 = (
-            _decode(fmt, src[f"{e}.{p}"]["weight"], src[f"{e}.{p}"].get(scale_name or ""))
-            for p in ("gate_proj", "up_proj", "down_proj")
-        )
+    for e, (w1, w3, w2) in enumerate(experts64(fmt, seed, overrides)):
         tok, slot = (ids == e).nonzero(as_tuple=True)
         xs = x[tok].double()
-        y = (F.silu(xs @ w1.T) * (xs @ w3.T)) @ w2.T
+        gate, up = xs @ w1.T, xs @ w3.T
+        if swiglu_limit is not None:
+            gate = torch.minimum(gate, torch.tensor(swiglu_limit, dtype=torch.float64))
+            up = torch.maximum(
+                torch.minimum(up, torch.tensor(swiglu_limit)), -up.new_tensor(swiglu_limit)
+            )
+        y = (gate * torch.sigmoid(gate) * up) @ w2.T
         out.index_add_(0, tok, y * weights[tok, slot, None].double())
     return out
 
