@@ -185,11 +185,8 @@ def float64_moe(
         xs = x[tok].double()
         gate, up = xs @ w1.T, xs @ w3.T
         if swiglu_limit is not None:
-            gate = torch.minimum(gate, torch.tensor(swiglu_limit, dtype=torch.float64))
-            up = torch.maximum(
-                torch.minimum(up, torch.tensor(swiglu_limit)), -up.new_tensor(swiglu_limit)
-            )
-        y = (gate * torch.sigmoid(gate) * up) @ w2.T
+            gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
+        y = (F.silu(gate) * up) @ w2.T
         out.index_add_(0, tok, y * weights[tok, slot, None].double())
     return out
 

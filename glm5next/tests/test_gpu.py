@@ -155,3 +155,94 @@ def test_requantization_on_the_gpu_equals_the_cpu_bits(
         assert_bitwise_equal(
             params["w13_weight_scale"][expert].cpu(), scale, f"expert {expert} w13 scale"
         )
+
+
+def test_the_kernel_applies_the_swiglu_clamp(checkpoint: Path, parallel: ParallelSettings) -> None:
+    """The synthetic layer clamps a good share of its SwiGLU inputs (swiglu_limit 0.75): the
+    kernel is close to the emulation with the clamp and far from the one without."""
+    run_format = _run_format()
+    reason = DeepGemmBackend.unsupported_reason(run_format, torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(f"DeepGEMM cannot run {run_format.value} here: {reason}")
+    reader = CheckpointReader(checkpoint, ADAPTER)
+    kernel = _block(reader, parallel, backend="deepgemm")
+    limit = kernel.experts.swiglu_limit
+    assert limit is not None and limit == reader.config["text_config"]["swiglu_limit"]
+    unclamped_config = {
+        **reader.config,
+        "text_config": {**reader.config["text_config"], "swiglu_limit": 1e30},
+    }
+    emulated = _block(reader, parallel, backend="reference", emulate_kernel=True,
+                      moe_format=run_format)  # fmt: skip
+    unclamped = Glm5NextMegaMoeBlock(
+        unclamped_config, prefix=PREFIX, parallel=parallel, device="cuda",
+        max_num_tokens=MAX_TOKENS, backend="reference", emulate_kernel=True, moe_format=run_format,
+    )  # fmt: skip
+    unclamped.load_from_checkpoint(reader)
+    x = _tokens(MAX_TOKENS, seed=5)
+    _, ids = kernel.gate(x)
+    params, fmt = emulated.experts.kernel_params, emulated.experts.weight_format
+    w13 = torch.stack(
+        [
+            quant.dequantize(params["w13_weight"][e], params["w13_weight_scale"][e], fmt)
+            for e in range(SIZES.num_experts)
+        ]
+    )
+    h13 = torch.einsum("th,eoh->teo", x.float(), w13)
+    chosen = h13[torch.arange(MAX_TOKENS, device=x.device)[:, None], ids.long()]
+    gate, up = chosen.chunk(2, dim=-1)
+    share_gate = float((gate > limit).float().mean())
+    share_up = float((up.abs() > limit).float().mean())
+    out = kernel(x)
+    with_clamp, without = _rel(out, emulated(x)), _rel(out, unclamped(x))
+    print(
+        f"[glm5next gpu] swiglu_limit {limit}: {share_gate:.1%} of gate and {share_up:.1%} of up "
+        f"values clamped; kernel vs emulated with clamp {with_clamp:.4g}, without {without:.4g}",
+        flush=True,
+    )
+    assert share_gate >= 0.05 and share_up >= 0.05
+    assert with_clamp <= EMULATED_TOL
+    assert without >= 10 * with_clamp
+
+
+def test_a_transformers_checkpoint_runs_on_the_kernel(
+    tmp_path: Path, parallel: ParallelSettings
+) -> None:
+    """A tiny GLM-5.3-Flash written by transformers 5.24.0 (block-FP8, clamp 1.5) through the
+    GPU kernel, against transformers' own MoE module (float64) and the emulated reference."""
+    pytest.importorskip("transformers", minversion="5.24.0")
+    from oracle_check import tokens
+    from transformers_oracle import build_tiny_model, reference_moe, save_checkpoint
+
+    from megamoe.core.checkpoint import open_checkpoint
+
+    run_format = _run_format()
+    reason = DeepGemmBackend.unsupported_reason(run_format, torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(f"DeepGEMM cannot run {run_format.value} here: {reason}")
+    tiny = build_tiny_model("glm5_next", seed=11, swiglu_limit=1.5)
+    path = save_checkpoint(tiny, tmp_path / "ckpt", fp8_block=True, mtp_layers=1)
+    reader, adapter = open_checkpoint(path)
+    for layer in reader.layers:
+        kernel = adapter.build_block(
+            reader.config, layer, parallel=parallel, device="cuda", max_num_tokens=MAX_TOKENS
+        )
+        kernel.load_from_checkpoint(reader)
+        assert kernel.experts.backend.name == "deepgemm" and kernel.experts.swiglu_limit == 1.5
+        emulated = Glm5NextMegaMoeBlock(
+            reader.config, prefix=layer.prefix, parallel=parallel, device="cuda",
+            max_num_tokens=MAX_TOKENS, backend="reference", emulate_kernel=True,
+            moe_format=run_format, is_mtp=layer.is_mtp,
+        )  # fmt: skip
+        emulated.load_from_checkpoint(reader)
+        x = tokens(kernel.experts.hidden_size, seed=layer.index).cuda()
+        out = kernel(x)
+        oracle = reference_moe(tiny, layer.prefix, x.cpu()).output
+        vs_oracle, vs_emulated = _rel(out, oracle), _rel(out, emulated(x))
+        print(
+            f"[glm5next gpu] transformers {layer.prefix}: kernel vs transformers {vs_oracle:.4g}, "
+            f"vs emulated {vs_emulated:.4g}",
+            flush=True,
+        )
+        assert vs_emulated <= EMULATED_TOL
+        assert vs_oracle <= FLOAT_TOL
