@@ -106,14 +106,18 @@ def round_pow2_64(v: torch.Tensor, group: int) -> torch.Tensor:
 def round_token_fp8_64(v: torch.Tensor) -> torch.Tensor:
     """E4M3 with a float32 scale amax / 448 per 128 columns of a token.
 
-    In float32 as DeepGEMM's cast computes it on CUDA (``x * (1 / scale)``, scale =
-    ``amax * float32(1/448)``): bf16 inputs often sit exactly on an E4M3 tie, where exact
-    division and the float32 product round to different neighbours.
+    In float32 as ``mega_moe_pre_dispatch_sm90`` computes it: scale = max(amax, 1e-10) / 448
+    correctly rounded, values = E4M3(x * float32(1 / scale)). Each float32 step is done in
+    float64 and rounded to float32 once (exact for one division or product of float32s).
+    bf16 inputs often sit exactly on an E4M3 tie, where ``amax * float32(1/448)`` would
+    round to the other neighbour.
     """
     g = v.float().reshape(*v.shape[:-1], -1, 128)
-    scale = g.abs().amax(-1, keepdim=True).clamp(min=1e-4) * torch.tensor(1 / 448.0)
-    q = (g * (1.0 / scale)).to(torch.float8_e4m3fn)
-    return (q.double() * scale.double()).reshape(v.shape)
+    amax = g.abs().amax(-1, keepdim=True).clamp(min=1e-10).double()
+    scale = (amax / 448.0).float().double()
+    inverse = (1.0 / scale).float().double()
+    q = (g.double() * inverse).float().to(torch.float8_e4m3fn)
+    return (q.double() * scale).reshape(v.shape)
 
 
 def _bf16_64(v: torch.Tensor) -> torch.Tensor:

@@ -64,7 +64,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         f"model       {plan.model_type} -> adapter {plan.adapter.name} "
         f"({plan.adapter.distribution})"
     )
-    _out(f"experts     {experts} routed per layer, hidden {hidden}, intermediate {inter}")
+    limit = plan.swiglu_limit
+    clamp = "" if limit is None else f", SwiGLU clamp {limit:g} (swiglu_limit)"
+    _out(f"experts     {experts} routed per layer, hidden {hidden}, intermediate {inter}{clamp}")
     _out(
         f"target      {plan.arch} ({where}); expert parallel {plan.ep_size} -> "
         f"{experts // plan.ep_size} experts per rank"

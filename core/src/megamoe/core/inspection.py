@@ -49,6 +49,7 @@ class CheckpointPlan:
         num_files: safetensors files.
         tensor_bytes: bytes of all tensors.
         dims: ``(experts, hidden, intermediate)``.
+        swiglu_limit: the experts' SwiGLU clamp, None for none.
         arch: the target (``sm90``, ``sm100`` or ``reference``).
         ep_size: expert-parallel ranks.
         layers: one plan per MoE layer.
@@ -60,6 +61,7 @@ class CheckpointPlan:
     num_files: int
     tensor_bytes: int
     dims: tuple[int, int, int]
+    swiglu_limit: float | None
     arch: str
     ep_size: int
     layers: tuple[LayerPlan, ...]
@@ -128,6 +130,7 @@ def plan_checkpoint(
         num_files=len(files),
         tensor_bytes=sum(reader.tensor_spec(n).nbytes for n in reader.weight_map),
         dims=(num_experts, hidden, inter),
+        swiglu_limit=adapter.parse_config(reader.config).swiglu_limit,
         arch=arch,
         ep_size=ep_size,
         layers=tuple(plans),

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from megamoe.core.experts import MegaMoEExperts
 
 TOKEN_GROUP = (1, 128)  # Hopper kernel input: one float32 scale per token per 128 columns
+PRE_DISPATCH_AMAX_FLOOR = 1e-10  # mega_moe_pre_dispatch_sm90 clamps a group's amax to this
 HOPPER_INTERMEDIATE_GROUP = 64  # Hopper kernel SwiGLU output: a power-of-two scale per 64
 
 Rounding = Callable[[torch.Tensor], torch.Tensor]
@@ -61,9 +62,17 @@ def _round_mx(x: torch.Tensor) -> torch.Tensor:
 
 
 def _round_token_fp8(x: torch.Tensor) -> torch.Tensor:
-    """FP8 E4M3 with float32 1x128 per-token scales, back to float32."""
-    values, scale = quant.quantize_fp8_block(x, TOKEN_GROUP, name="activations")
-    return quant.dequantize(values, scale, WeightFormat.FP8_BLOCK, block_size=TOKEN_GROUP)
+    """FP8 E4M3 with float32 1x128 per-token scales, back to float32.
+
+    As ``mega_moe_pre_dispatch_sm90`` computes them: scale = max(amax, 1e-10) / 448 by a
+    true float32 division (not ``amax * float32(1/448)``: bf16 inputs often sit on an E4M3
+    tie, where the two round to different neighbours), values = E4M3(x * (1 / scale)).
+    """
+    groups = x.float().reshape(*x.shape[:-1], -1, TOKEN_GROUP[1])
+    amax = groups.abs().amax(-1, keepdim=True).clamp(min=PRE_DISPATCH_AMAX_FLOOR)
+    scale = amax / torch.full_like(amax, quant.E4M3_MAX)  # a tensor: CUDA divides exactly
+    values = (groups * (1.0 / scale)).to(torch.float8_e4m3fn)
+    return (values.float() * scale).reshape(x.shape)
 
 
 def _round_pow2_group_fp8(x: torch.Tensor) -> torch.Tensor:
