@@ -46,6 +46,10 @@ PREFIX = "model.language_model.layers.1.mlp"
 EMULATED_TOL = 2.5e-2
 FLOAT_TOL = 0.08
 MAX_TOKENS = 256
+# The synthetic layer's SwiGLU inputs here have a spread of about 5 (gate) and 8 (up): a
+# limit of 8 clamps a few percent of gate and about a third of up values, as MODELS.md's
+# H200 measurement at L = 8 did. (The demo's small layers use a smaller limit.)
+SWIGLU_LIMIT = 8.0
 
 pytestmark = [
     pytest.mark.gpu,
@@ -63,6 +67,7 @@ def _run_format() -> WeightFormat:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = ADAPTER.synthetic_config(WeightFormat.FP8_BLOCK, SIZES)
+    config["text_config"]["swiglu_limit"] = SWIGLU_LIMIT
     path = tmp_path_factory.mktemp("glm5next-gpu")
     return write_checkpoint(path, config, ADAPTER.synthetic_tensors(config, seed=1))
 
@@ -158,8 +163,8 @@ def test_requantization_on_the_gpu_equals_the_cpu_bits(
 
 
 def test_the_kernel_applies_the_swiglu_clamp(checkpoint: Path, parallel: ParallelSettings) -> None:
-    """The synthetic layer clamps a good share of its SwiGLU inputs (swiglu_limit 0.75): the
-    kernel is close to the emulation with the clamp and far from the one without."""
+    """The layer clamps a share of its SwiGLU inputs (``SWIGLU_LIMIT``): the kernel is close
+    to the emulation with the clamp and far from the one without."""
     run_format = _run_format()
     reason = DeepGemmBackend.unsupported_reason(run_format, torch.device("cuda"))
     if reason is not None:
@@ -200,9 +205,9 @@ def test_the_kernel_applies_the_swiglu_clamp(checkpoint: Path, parallel: Paralle
         f"values clamped; kernel vs emulated with clamp {with_clamp:.4g}, without {without:.4g}",
         flush=True,
     )
-    assert share_gate >= 0.05 and share_up >= 0.05
+    assert share_gate >= 0.01 and share_up >= 0.1
     assert with_clamp <= EMULATED_TOL
-    assert without >= 10 * with_clamp
+    assert without >= 5 * with_clamp
 
 
 def test_a_transformers_checkpoint_runs_on_the_kernel(
@@ -214,17 +219,21 @@ def test_a_transformers_checkpoint_runs_on_the_kernel(
     from oracle_check import tokens
     from transformers_oracle import build_tiny_model, reference_moe, save_checkpoint
 
-    from megamoe.core.checkpoint import open_checkpoint
-
     run_format = _run_format()
     reason = DeepGemmBackend.unsupported_reason(run_format, torch.device("cuda"))
     if reason is not None:
         pytest.skip(f"DeepGEMM cannot run {run_format.value} here: {reason}")
-    tiny = build_tiny_model("glm5_next", seed=11, swiglu_limit=1.5)
+    # The layer sizes above: at H=256, I=128 sgl-deep-gemm 0.1.4.post1's Hopper buffer fails
+    # its own 16-byte alignment assertion (seen on the H200).
+    tiny = build_tiny_model(
+        "glm5_next", seed=11, swiglu_limit=1.5, hidden_size=SIZES.hidden_size,
+        moe_intermediate_size=SIZES.intermediate_size, n_routed_experts=SIZES.num_experts,
+        num_experts_per_tok=SIZES.top_k, n_group=4, topk_group=2,
+    )  # fmt: skip
     path = save_checkpoint(tiny, tmp_path / "ckpt", fp8_block=True, mtp_layers=1)
-    reader, adapter = open_checkpoint(path)
+    reader = CheckpointReader(path, ADAPTER)  # the GPU session runs from source: no entry points
     for layer in reader.layers:
-        kernel = adapter.build_block(
+        kernel = ADAPTER.build_block(
             reader.config, layer, parallel=parallel, device="cuda", max_num_tokens=MAX_TOKENS
         )
         kernel.load_from_checkpoint(reader)
