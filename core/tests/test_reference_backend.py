@@ -17,6 +17,7 @@ Tolerances (stated per check below):
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import types
 from functools import partial
@@ -142,8 +143,12 @@ def moe64(
     physical: list[dict[str, torch.Tensor]],
     shared: list[dict[str, torch.Tensor]] = (),  # type: ignore[assignment]
     emulate: WeightFormat | None = None,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
-    """float64 MoE: sum_k w_k * W2 (silu(W1 x) * (W3 x)) + shared experts (weight 1)."""
+    """float64 MoE: sum_k w_k * W2 (silu(W1 x) * (W3 x)) + shared experts (weight 1).
+
+    With ``swiglu_limit`` L: W1 x is capped at L and W3 x limited to [-L, L] first.
+    """
     rnd_in, rnd_mid = EMULATION64[emulate] if emulate is not None else (None, None)
     x = x.double() if rnd_in is None else rnd_in(x.double())
     out = torch.zeros(x.shape, dtype=torch.float64)
@@ -152,6 +157,9 @@ def moe64(
         routes = [(physical[p], w) for p, w in routes if p >= 0] + [(s, 1.0) for s in shared]
         for weights, gain in routes:
             g, u = weights["w1"] @ x[t], weights["w3"] @ x[t]
+            if swiglu_limit is not None:
+                limit = torch.tensor(swiglu_limit, dtype=torch.float64)
+                g, u = torch.minimum(g, limit), torch.maximum(torch.minimum(u, limit), -limit)
             act = g / (1.0 + torch.exp(-g)) * u
             if emulate is None:
                 out[t] += gain * (weights["w2"] @ act)
@@ -182,6 +190,7 @@ def build(
     shared: int = 0,
     emulate: bool = False,
     top_k: int = 3,
+    swiglu_limit: float | None = None,
 ) -> MegaMoEExperts:
     return one_rank_experts(
         num_experts,
@@ -195,6 +204,7 @@ def build(
         backend="reference",
         prefix="layers.0.mlp.experts",
         emulate_kernel=emulate,
+        swiglu_limit=swiglu_limit,
     )
 
 
@@ -326,6 +336,69 @@ def test_emulated_kernel_rounding_matches_float64_emulation(run_format: WeightFo
     assert not torch.equal(out_emulated, out_exact)
     if run_format is not WeightFormat.BF16:
         assert relative_error(out_emulated, ref_exact) >= 1e-2
+
+
+def gate_up64(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    physical: list[dict[str, torch.Tensor]],
+    shared: list[dict[str, torch.Tensor]],
+) -> dict[str, torch.Tensor]:
+    """float64 W1 x and W3 x of every routed (token, expert) pair and every shared expert."""
+    xs = x.double()
+    routes = [(t, int(p)) for t in range(x.shape[0]) for p in ids[t] if p >= 0]
+    return {
+        "routed gate": torch.stack([physical[p]["w1"] @ xs[t] for t, p in routes]),
+        "routed up": torch.stack([physical[p]["w3"] @ xs[t] for t, p in routes]),
+        "shared gate": torch.cat([xs @ e["w1"].T for e in shared]),
+        "shared up": torch.cat([xs @ e["w3"].T for e in shared]),
+    }
+
+
+# swiglu_limit at this quantile of the routed and of the shared gates (the lower of the two):
+# the gate is clamped from above only, and up (gain 1.7 over gate) by magnitude.
+CLAMP_QUANTILE = 0.9
+
+
+@pytest.mark.parametrize("emulate", [False, True], ids=["exact", "emulated"])
+@pytest.mark.parametrize("run_format", FORMATS, ids=lambda f: f.value)
+def test_swiglu_clamp_matches_float64(run_format: WeightFormat, emulate: bool):
+    x, w, ids = routing(24, 3, 6, seed=8)
+    plain = build(run_format, run_format, shared=1, emulate=emulate)
+    load(plain, run_format, 6, shared=1)
+    kernel, kernel_shared = kernel_experts64(plain), kernel_experts64(plain, shared=True)
+    pre = gate_up64(x, ids, kernel, kernel_shared)
+    gates = (pre["routed gate"].flatten(), pre["shared gate"].flatten())
+    limit = float(min(torch.quantile(g, CLAMP_QUANTILE) for g in gates).to(torch.bfloat16))
+    shares = {
+        name: float(((v if "gate" in name else v.abs()) > limit).double().mean())
+        for name, v in pre.items()
+    }
+    assert min(shares.values()) >= 0.05, shares  # routed and shared gates and ups all clamp
+    clamped = build(run_format, run_format, shared=1, emulate=emulate, swiglu_limit=limit)
+    load(clamped, run_format, 6, shared=1)
+    out = clamped(x, w, ids)
+    emulation = run_format if emulate else None
+    ref = moe64(x, w, ids, kernel, kernel_shared, emulation, swiglu_limit=limit)
+    if emulate:
+        assert relative_error(out, ref) <= 4e-3
+    else:
+        assert_close_bf16(out, ref, f"clamped at {limit}")
+    # The clamp moves the routed and the shared experts' outputs far beyond those bounds.
+    for routes, shared in ((ids, []), (torch.full_like(ids, -1), kernel_shared)):
+        part = moe64(x, w, routes, kernel, shared, emulation, swiglu_limit=limit)
+        assert relative_error(moe64(x, w, routes, kernel, shared, emulation), part) > 0.1
+
+
+@pytest.mark.parametrize("limit", [0, 0.0, -1.0, -7, float("inf"), float("nan"), True, False, "7"])
+def test_swiglu_limit_must_be_finite_and_positive(limit: object):
+    with pytest.raises(
+        ValueError,
+        match=rf"layers\.0\.mlp\.experts: swiglu_limit={re.escape(repr(limit))} must be a "
+        "finite number > 0, or None for no clamp",
+    ):
+        build(WeightFormat.BF16, WeightFormat.BF16, swiglu_limit=limit)  # type: ignore[arg-type]
+    assert build(WeightFormat.BF16, WeightFormat.BF16, swiglu_limit=7).swiglu_limit == 7.0
 
 
 def test_swapped_gate_up_is_detected():
