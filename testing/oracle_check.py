@@ -1,10 +1,10 @@
 """Every MoE layer of a transformers-written checkpoint, loaded by megamoe, vs the oracle.
 
-Tests only (see ``transformers_oracle``). The path is the one users take: ``open_checkpoint`` -> ``adapter.build_block`` ->
-``block.load_from_checkpoint``, on the reference backend (CPU). Each layer's output is
-compared with a float64 copy of transformers' own MoE module: ``max |ours - oracle| /
-max |oracle|``, and the experts each token is routed to, on tokens whose selection margin
-keeps them away from ties.
+Tests only (see ``transformers_oracle``). The path is the one users take:
+``open_checkpoint`` -> ``adapter.build_block`` -> ``block.load_from_checkpoint``, on the
+reference backend (CPU). Each layer's output is compared with a float64 copy of
+transformers' own MoE module (``max |ours - oracle| / max |oracle|``), and so are the
+experts each token is routed to, on tokens whose selection margin keeps them from ties.
 """
 
 from __future__ import annotations
@@ -13,7 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers_oracle import TinyModel, reference_moe
+from transformers_oracle import (
+    TinyModel,
+    build_tiny_model,
+    declare_mtp_without_tensors,
+    reference_moe,
+    save_checkpoint,
+)
 
 from megamoe.core import ParallelSettings
 from megamoe.core.adapters import MoEBlock
@@ -102,3 +108,18 @@ def compare_checkpoint(
             )
         )
     return reader, results
+
+
+def compare_with_mtp_declared_only(
+    path: Path, family: str
+) -> tuple[CheckpointReader, list[LayerResult], TinyModel]:
+    """A checkpoint whose config declares one MTP layer it does not hold, compared.
+
+    What transformers' ``save_pretrained`` writes for a release config: the MTP count
+    stays, the MTP tensors do not.
+    """
+    tiny = build_tiny_model(family, seed=3)
+    save_checkpoint(tiny, path)
+    declare_mtp_without_tensors(path, 1)
+    reader, results = compare_checkpoint(path, tiny)
+    return reader, results, tiny

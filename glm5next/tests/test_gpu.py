@@ -64,6 +64,15 @@ def _run_format() -> WeightFormat:
     return resolve_formats(WeightFormat.FP8_BLOCK, None, detect_arch("cuda"))[1]
 
 
+def _kernel_run_format() -> WeightFormat:
+    """``_run_format()``, skipping the test where DeepGEMM cannot run it."""
+    run_format = _run_format()
+    reason = DeepGemmBackend.unsupported_reason(run_format, torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(f"DeepGEMM cannot run {run_format.value} here: {reason}")
+    return run_format
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = ADAPTER.synthetic_config(WeightFormat.FP8_BLOCK, SIZES)
@@ -107,10 +116,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_kernel_block_matches_emulated_and_float_references(
     checkpoint: Path, parallel: ParallelSettings
 ) -> None:
-    run_format = _run_format()
-    reason = DeepGemmBackend.unsupported_reason(run_format, torch.device("cuda"))
-    if reason is not None:
-        pytest.skip(f"DeepGEMM cannot run {run_format.value} here: {reason}")
+    run_format = _kernel_run_format()
     reader = CheckpointReader(checkpoint, ADAPTER)
     kernel = _block(reader, parallel, backend="deepgemm")
     assert kernel.experts.backend.name == "deepgemm"
@@ -165,10 +171,7 @@ def test_requantization_on_the_gpu_equals_the_cpu_bits(
 def test_the_kernel_applies_the_swiglu_clamp(checkpoint: Path, parallel: ParallelSettings) -> None:
     """The layer clamps a share of its SwiGLU inputs (``SWIGLU_LIMIT``): the kernel is close
     to the emulation with the clamp and far from the one without."""
-    run_format = _run_format()
-    reason = DeepGemmBackend.unsupported_reason(run_format, torch.device("cuda"))
-    if reason is not None:
-        pytest.skip(f"DeepGEMM cannot run {run_format.value} here: {reason}")
+    run_format = _kernel_run_format()
     reader = CheckpointReader(checkpoint, ADAPTER)
     kernel = _block(reader, parallel, backend="deepgemm")
     limit = kernel.experts.swiglu_limit
@@ -219,10 +222,7 @@ def test_a_transformers_checkpoint_runs_on_the_kernel(
     from oracle_check import tokens
     from transformers_oracle import build_tiny_model, reference_moe, save_checkpoint
 
-    run_format = _run_format()
-    reason = DeepGemmBackend.unsupported_reason(run_format, torch.device("cuda"))
-    if reason is not None:
-        pytest.skip(f"DeepGEMM cannot run {run_format.value} here: {reason}")
+    run_format = _kernel_run_format()
     # The layer sizes above: at H=256, I=128 sgl-deep-gemm 0.1.4.post1's Hopper buffer fails
     # its own 16-byte alignment assertion (seen on the H200).
     tiny = build_tiny_model(

@@ -18,8 +18,13 @@ import logging
 from pathlib import Path
 
 import pytest
-from oracle_check import MIN_AWAY_FROM_TIES, TOKENS, compare_checkpoint
-from transformers_oracle import build_tiny_model, declare_mtp_without_tensors, save_checkpoint
+from oracle_check import (
+    MIN_AWAY_FROM_TIES,
+    TOKENS,
+    compare_checkpoint,
+    compare_with_mtp_declared_only,
+)
+from transformers_oracle import build_tiny_model, save_checkpoint
 
 TOLERANCE = 1e-2
 FAMILIES = ("qwen4_exp", "qwen4_exp_text", "qwen3_next")
@@ -47,14 +52,12 @@ def test_every_moe_layer_matches_transformers(tmp_path: Path, family: str, layou
 def test_declared_mtp_without_tensors_loads_the_main_layers(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    tiny = build_tiny_model("qwen4_exp", seed=3)
-    path = save_checkpoint(tiny, tmp_path / "ckpt")
-    declare_mtp_without_tensors(path, 1)
     with caplog.at_level(logging.WARNING, logger="megamoe"):
-        reader, results = compare_checkpoint(path, tiny)
+        reader, results, tiny = compare_with_mtp_declared_only(tmp_path / "ckpt", "qwen4_exp")
     assert {r.prefix for r in results} == set(tiny.moe_blocks)
     assert all(r.error <= TOLERANCE for r in results)
     assert not any(layer.is_mtp for layer in reader.layers)
+    assert any("declares 1 MTP layer(s) but holds the experts of 0" in m for m in caplog.messages)
 
 
 @pytest.mark.filterwarnings(NOT_POW2)
