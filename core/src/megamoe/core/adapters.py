@@ -35,7 +35,6 @@ ENTRY_POINT_GROUP = "megamoe.adapters"
 COMPOSITE_DECODER = "model.language_model.layers"
 TEXT_DECODER = "model.layers"
 MLP = "mlp"  # module name of a decoder layer's MLP (the MoE block in sparse layers)
-_told_missing_mtp: set[tuple[str, int, int]] = set()
 
 
 def decoder_prefix(config: Mapping[str, Any], tensor_names: Collection[str] | None = None) -> str:
@@ -215,7 +214,8 @@ class ModelAdapter(abc.ABC):
         ``num_nextn_predict_layers`` MTP drafter layers at ``mtp_block_prefix``
         (``is_mtp=True``). Given the checkpoint's tensor names, MTP layers the config
         declares but the checkpoint does not hold (what transformers' ``save_pretrained``
-        writes: it never saves MTP layers) are left out, and that is logged once.
+        writes: it never saves MTP layers) are left out, and that is logged (once per
+        checkpoint opened: ``CheckpointReader`` calls this once).
 
         Args:
             config: the parsed ``config.json``.
@@ -243,17 +243,14 @@ class ModelAdapter(abc.ABC):
             heads = {p: f"{p}.{EXPERTS}." for _, p, _ in declared}
             held = [m for m in declared if any(n.startswith(heads[m[1]]) for n in tensor_names)]
         if len(held) < len(declared):
-            key = (self.name, len(declared), len(held))
-            if key not in _told_missing_mtp:
-                _told_missing_mtp.add(key)
-                logger.warning(
-                    "%s checkpoint declares %d MTP layer(s) but holds the experts of %d "
-                    "(e.g. no tensors under %s.*): loading the layers it holds",
-                    self.name,
-                    len(declared),
-                    len(held),
-                    next(p for _, p, _ in declared if all(p != h[1] for h in held)),
-                )
+            logger.warning(
+                "%s checkpoint declares %d MTP layer(s) but holds the experts of %d "
+                "(e.g. no tensors under %s.*): loading the layers it holds",
+                self.name,
+                len(declared),
+                len(held),
+                next(p for _, p, _ in declared if all(p != h[1] for h in held)),
+            )
         return [
             MoELayer(
                 index=index,
