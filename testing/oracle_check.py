@@ -9,6 +9,7 @@ experts each token is routed to, on tokens whose selection margin keeps them fro
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,16 +111,38 @@ def compare_checkpoint(
     return reader, results
 
 
-def compare_with_mtp_declared_only(
-    path: Path, family: str
-) -> tuple[CheckpointReader, list[LayerResult], TinyModel]:
-    """A checkpoint whose config declares one MTP layer it does not hold, compared.
+class _Messages(logging.Handler):
+    """Collects the warnings logged while it is attached."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def check_mtp_declared_only(path: Path, family: str, tolerance: float) -> None:
+    """A config declaring one MTP layer it does not hold loads its main layers, and says so.
 
     What transformers' ``save_pretrained`` writes for a release config: the MTP count
     stays, the MTP tensors do not.
+
+    Raises:
+        AssertionError: a layer is missing or off by more than ``tolerance``, an MTP layer
+            is listed, or the warning was not given.
     """
     tiny = build_tiny_model(family, seed=3)
     save_checkpoint(tiny, path)
     declare_mtp_without_tensors(path, 1)
-    reader, results = compare_checkpoint(path, tiny)
-    return reader, results, tiny
+    logger, told = logging.getLogger("megamoe"), _Messages()
+    logger.addHandler(told)
+    try:
+        reader, results = compare_checkpoint(path, tiny)
+    finally:
+        logger.removeHandler(told)
+    seen = told.messages
+    assert {r.prefix for r in results} == set(tiny.moe_blocks), results
+    assert all(r.error <= tolerance for r in results), results
+    assert not any(layer.is_mtp for layer in reader.layers)
+    assert any("declares 1 MTP layer(s) but holds the experts of 0" in m for m in seen), seen
