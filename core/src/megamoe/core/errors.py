@@ -61,6 +61,18 @@ class CheckpointError(ValueError):
     """A checkpoint directory is missing files or tensors, or they disagree with its config."""
 
 
+class NoAdapterError(CheckpointError, LookupError):
+    """No installed adapter claims a checkpoint's ``config.json``."""
+
+
+class InvalidScaleError(ValueError):
+    """A block-FP8 scale is zero, negative or not finite."""
+
+
+class UsageError(ValueError):
+    """A command-line option has a value the command cannot use (the CLI exits 2)."""
+
+
 class CapabilityError(RuntimeError):
     """The installed DeepGEMM or the device lacks what the chosen path needs."""
 
