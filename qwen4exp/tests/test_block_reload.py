@@ -1,6 +1,7 @@
 """Safe reload of a whole Qwen4Exp block (SPEC §5): router, shared-expert gate and shared
 expert change together with the routed experts, at ``finalize()``, in place; a reload that
-fails midway leaves the block computing exactly what it computed before."""
+fails midway (any error while loading) leaves the block computing exactly what it computed
+before, in every run format, and a bare ``finalize()`` afterwards commits nothing."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from megamoe.core.adapters import SyntheticSizes
 from megamoe.core.bitcheck import assert_bitwise_equal
-from megamoe.core.errors import IncompleteShardsError
+from megamoe.core.errors import IncompleteShardsError, NonFiniteError
 from megamoe.core.formats import WeightFormat
 from megamoe.core.parallel import ParallelSettings
 from megamoe.core.testing import synthetic_layer_tensors
@@ -22,6 +23,11 @@ SIZES = SyntheticSizes(
     shared_intermediate_size=128,
 )  # fmt: skip
 FP8 = WeightFormat.FP8_BLOCK  # the shared expert is dequantized on load: the staged path
+BF16, MX8, MX4 = WeightFormat.BF16, WeightFormat.MXFP8, WeightFormat.MXFP4
+# (checkpoint, run) pairs: block-FP8 converted to every run format, and each run format as
+# stored (the reference backend runs all four).
+FORMAT_PAIRS = [(FP8, BF16), (FP8, FP8), (FP8, MX8), (FP8, MX4), (BF16, BF16), (MX8, MX8),
+                (MX4, MX4)]  # fmt: skip
 PREFIX = "model.language_model.layers.0.mlp"
 DENSE = ("gate.weight", "shared_expert_gate.weight")
 NAN_SCALE = "experts.1.down_proj.weight_scale_inv"
@@ -126,3 +132,62 @@ def test_a_partial_reload_of_the_router_alone_commits_at_finalize(
     block.finalize()
     assert_bitwise_equal(block.gate.weight, router, "router after finalize")
     assert not torch.equal(old, router)
+
+
+def _spoiled(tensor: torch.Tensor, bad: str) -> torch.Tensor:
+    """A NaN in the first element (NaN bytes for FP8 and UE8M0), or half the columns."""
+    if bad == "wrong-shape":
+        return tensor[:, : tensor.shape[1] // 2]
+    spoiled = tensor.clone()
+    if spoiled.dtype in (torch.uint8, torch.float8_e4m3fn):  # UE8M0 / E4M3 NaN byte
+        spoiled.view(torch.uint8)[0, 0] = 0xFF
+    else:
+        spoiled[0, 0] = float("nan")
+    return spoiled
+
+
+@pytest.mark.parametrize("bad", ["nan", "wrong-shape"])
+@pytest.mark.parametrize(
+    ("checkpoint_format", "run_format"),
+    FORMAT_PAIRS,
+    ids=[f"{c.value}-to-{r.value}" for c, r in FORMAT_PAIRS],
+)
+def test_a_failed_reload_then_a_bare_finalize_keeps_the_previous_weights(
+    parallel: ParallelSettings, checkpoint_format: WeightFormat, run_format: WeightFormat, bad: str
+) -> None:
+    config = ADAPTER.synthetic_config(checkpoint_format, SIZES)
+
+    def build(tensors: Tensors) -> Qwen4ExpMegaMoeBlock:
+        block = Qwen4ExpMegaMoeBlock(
+            config, prefix=PREFIX, parallel=parallel, backend="reference", moe_format=run_format
+        )
+        assert (block.experts.checkpoint_format, block.experts.weight_format) == (
+            checkpoint_format,
+            run_format,
+        )
+        block.load_weights(tensors.items())
+        block.finalize()
+        return block
+
+    block, x = build(synthetic_layer_tensors(ADAPTER, config, PREFIX, 1)), _tokens()
+    before, state, pointers = block(x), _state(block), _pointers(block)
+    new = synthetic_layer_tensors(ADAPTER, config, PREFIX, 2)
+    # After expert 0 and expert 1's gate/up: the scale if there is one, else the weight.
+    target = next(n for n in reversed(new) if n.startswith("experts.1.down_proj."))
+    if bad == "wrong-shape":
+        target = next(n for n in new if n.startswith("experts.1.down_proj.weight"))
+    stream = [(n, _spoiled(t, bad) if n == target else t) for n, t in _new_dense_first(new)]
+    error, match = (NonFiniteError, r"NaN") if bad == "nan" else (ValueError, r"has shape")
+    with pytest.raises(error, match=match):
+        block.load_weights(stream)
+    assert block.experts.pending_bytes == 0 and block.shared_expert.pending_bytes == 0
+    block.finalize()  # nothing pending: the whole update was dropped
+    for name, value in _state(block).items():
+        assert_bitwise_equal(value, state[name], f"{name} after the failed reload")
+    assert_bitwise_equal(block(x), before, "output after the failed reload")
+    assert _pointers(block) == pointers
+    block.load_weights(new.items())  # the same update, unspoiled, still lands
+    block.finalize()
+    fresh = build(new)
+    assert not torch.equal(fresh(x), before)
+    assert_bitwise_equal(block(x), fresh(x), "reloaded block vs a fresh one")

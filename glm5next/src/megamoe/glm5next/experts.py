@@ -1,13 +1,20 @@
 """GLM-5.3-Flash routed (and fused shared) experts from a block-FP8 checkpoint (SPEC §4.2).
 
-Where the run format is MXFP8 (SM100, or forced), a block-FP8 shard needs no conversion
-buffer: its E4M3 weight has the same dtype in both formats, so it is written straight into
-the kernel tensor and its float32 block scale is staged beside it in
-``*_weight_scale_inv``. Once the load is complete, ``requantize_block_fp8`` rounds every
-shard written since the last call to UE8M0 1x32 scales in place, a few experts at a time,
-with ``megamoe.core.quant.requantize`` (so the bits equal an offline conversion). Every
-other checkpoint/run pair (FP8_BLOCK run on Hopper: stored as is; BF16 or MX checkpoints)
-takes the ``MegaMoEExperts`` path unchanged.
+Where the run format is MXFP8 (SM100, or forced), the first load (before the module
+serves) needs no conversion buffer: a block-FP8 shard's E4M3 weight has the same dtype in
+both formats, so it is written straight into the kernel tensor and its float32 block scale
+is staged beside it in ``*_weight_scale_inv``. Once the load is complete,
+``requantize_block_fp8`` rounds every shard written since the last call to UE8M0 1x32
+scales in place, a few experts at a time, with ``megamoe.core.quant.requantize`` (so the
+bits equal an offline conversion). A first load that fails forgets those shards:
+``finalize()`` then names the slots never written (``MissingExpertsError``).
+
+A reload (after a successful ``finalize()``) takes the ``MegaMoEExperts`` path: each shard is
+requantized as it completes (``requantize_shard``, the same bits) and staged in MXFP8
+until ``finalize()``, so a reload that fails midway leaves the previous weights serving.
+The cost: the changed shards' run-format bytes stay staged until ``finalize()`` (a full
+reload holds a second copy of the experts). Every other checkpoint/run pair (FP8_BLOCK run
+on Hopper: stored as is; BF16 or MX checkpoints) takes the ``MegaMoEExperts`` path always.
 """
 
 from __future__ import annotations
@@ -35,14 +42,15 @@ _RowPlan = dict[tuple[str, int, int], list[tuple[int, int, tuple[str, ...]]]]
 class Glm5NextMegaMoEExperts(MegaMoEExperts):
     """This rank's GLM-5.3-Flash experts, loaded from block-FP8 into the run format.
 
-    With a block-FP8 checkpoint and the MXFP8 run format, each weight shard is written
-    into ``w13_weight`` / ``w2_weight`` (``shared_l1_weight`` / ``shared_l2_weight``) as
-    soon as its weight and block scale are both in, and the block scale into
-    ``w13_weight_scale_inv`` (E, 2I/128, H/128), ``w2_weight_scale_inv`` (E, H/128, I/128)
-    (and ``shared_l1_weight_scale_inv`` / ``shared_l2_weight_scale_inv``), float32
-    buffers. ``requantize_block_fp8()`` then rounds the new shards in place; ``finalize()``
-    calls it first. While shards wait for it, ``forward`` refuses to run: the kernel
-    tensors then mix E4M3 values with stale scales.
+    With a block-FP8 checkpoint and the MXFP8 run format, the first load writes each
+    weight shard into ``w13_weight`` / ``w2_weight`` (``shared_l1_weight`` /
+    ``shared_l2_weight``) as soon as its weight and block scale are both in, and the block
+    scale into ``w13_weight_scale_inv`` (E, 2I/128, H/128), ``w2_weight_scale_inv`` (E,
+    H/128, I/128) (and ``shared_l1_weight_scale_inv`` / ``shared_l2_weight_scale_inv``),
+    float32 buffers. ``requantize_block_fp8()`` then rounds the new shards in place;
+    ``finalize()`` calls it first. Once the module serves, a reload is requantized shard by
+    shard and staged (``MegaMoEExperts``), so the served weights change only at
+    ``finalize()``.
 
     Args:
         hidden_size: H; a multiple of 128 and of the block size.
@@ -138,8 +146,18 @@ class Glm5NextMegaMoEExperts(MegaMoEExperts):
         return self.load_shared_expert_tensor(PROJ_TO_SHARD[proj], kind, tensor)
 
     def _on_shard_complete(self, key: ShardKey, parts: dict[str, torch.Tensor]) -> None:
-        """Write a complete block-FP8 shard into place and stage its block scale."""
+        """Write a complete block-FP8 shard into place and stage its block scale.
+
+        Only before the module serves: a reload is converted and staged by
+        ``MegaMoEExperts`` (written in place, a failed reload would leave the served
+        tensors half updated).
+        """
         if not self.requantizes_in_place:
+            super()._on_shard_complete(key, parts)
+            return
+        if self._serving:
+            if not quant.is_power_of_two(parts[BLOCK_SCALE]):
+                quant.warn_not_power_of_two(self.layout.label, KEEP_BLOCK_FP8_HINT)
             super()._on_shard_complete(key, parts)
             return
         slot, shard_id = key
@@ -182,6 +200,18 @@ class Glm5NextMegaMoEExperts(MegaMoEExperts):
 
     # -- requantization --------------------------------------------------------------------
 
+    def discard_pending(self) -> None:
+        """Forget every tensor loaded since the last ``finalize()``, in-place shards included.
+
+        Shards written in place belong to a first load that never finalized: forgetting
+        them makes ``finalize()`` name their slots as missing instead of serving them.
+        """
+        super().discard_pending()
+        self._new_shards.clear()
+        if not self._serving:  # what _mark_written recorded came from this load alone
+            self._written.clear()
+            self._requantized_slots.clear()
+
     @property
     def pending_requantization(self) -> set[tuple[int, str]]:
         """Kernel ``(slot, shard id)`` written in place and not yet requantized."""
@@ -191,13 +221,14 @@ class Glm5NextMegaMoEExperts(MegaMoEExperts):
     def requantize_block_fp8(self, chunk: int = DEFAULT_REQUANT_CHUNK) -> None:
         """Round every shard written since the last call to MXFP8 (UE8M0 1x32), in place.
 
-        Call it once a load (or a weight update) is complete: a weight and its block scale
-        may come in different ``load_weights`` calls, but both must be in by now. Works
+        Call it once the first load is complete: a weight and its block scale may come in
+        different ``load_weights`` calls, but both must be in by now. Works
         ``chunk`` experts at a time, so the float32 workspace stays bounded; the result
         equals ``quant.requantize(weight, scale, FP8_BLOCK, MXFP8)`` bit for bit. Block
         scales that are not powers of two change the weights when rounded: that is warned
         once, naming ``moe_format="fp8_block"``, which keeps block-FP8. Without in-place
-        requantization (any other checkpoint/run pair) it only checks completeness.
+        requantization (any other checkpoint/run pair, or a reload, which is requantized
+        as it loads) it only checks completeness.
 
         Args:
             chunk: experts per ``quant.requantize`` call (>= 1).
