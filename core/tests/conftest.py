@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from megamoe.core import adapters as adapter_registry
-from megamoe.core.adapters import ModelAdapter, MoEBlock, MoELayer, SyntheticSizes
+from megamoe.core.adapters import (
+    ModelAdapter,
+    MoEBlock,
+    MoELayer,
+    SharedExpert,
+    SyntheticSizes,
+)
 from megamoe.core.formats import WeightFormat
 from megamoe.core.testing import synthetic_dense, synthetic_expert_tensors
 
@@ -103,6 +109,13 @@ class ToyAdapter(ModelAdapter):
 
     def expert_prefixes(self, layer: MoELayer) -> tuple[str, ...]:
         return (f"{layer.prefix}.experts", f"{layer.prefix}.shared_experts")
+
+    def shared_expert(self, config: Mapping[str, Any], layer: MoELayer) -> SharedExpert | None:
+        """One expert's width, stored as the routed experts are (``toy_shared: false``: none)."""
+        if not config.get("toy_shared", True):
+            return None
+        prefix = f"{layer.prefix}.shared_experts"
+        return SharedExpert(prefix, layer.checkpoint_format, config["moe_intermediate_size"])
 
     def mtp_block_prefix(self, config: Any, decoder: str, index: int) -> str:
         return f"mtp.layers.{index}.mlp"

@@ -257,10 +257,19 @@ def _unsupported_quant(path: Path) -> None:
     (path / "config.json").write_text(json.dumps(config))
 
 
-def _missing_expert(path: Path) -> None:
+def _unlisted_tensor(path: Path) -> None:
     index = json.loads((path / INDEX_FILE).read_text())
     del index["weight_map"][f"{EXPERT}.weight"]
     (path / INDEX_FILE).write_text(json.dumps(index))
+
+
+def _missing_expert(path: Path) -> None:
+    index = json.loads((path / INDEX_FILE).read_text())
+    shard = path / index["weight_map"].pop(f"{EXPERT}.weight")
+    (path / INDEX_FILE).write_text(json.dumps(index))
+    tensors = load_file(shard)
+    del tensors[f"{EXPERT}.weight"]
+    save_file(tensors, shard)
 
 
 BAD = {
@@ -294,7 +303,13 @@ BAD = {
         NotImplementedError,
         r"model.layers.0.mlp.experts: quantization_config quant_method='awq' is not supported",
     ),
-    "expert missing from index": (
+    "tensor of a shard missing from the index": (
+        _unlisted_tensor,
+        CheckpointError,
+        r"1 tensor\(s\) of the shards are not listed in model.safetensors.index.json, e.g. "
+        r"'model.layers.1.mlp.experts.2.down_proj.weight'",
+    ),
+    "expert missing": (
         _missing_expert,
         CheckpointError,
         r"1 routed-expert tensor\(s\) of model.layers.1.mlp.experts are missing .*"
@@ -309,32 +324,18 @@ def test_bad_checkpoint_fails_before_reading_data(tmp_path: Path, toy_adapter, c
     damage, error, message = BAD[case]
     damage(tmp_path)
 
-    def load() -> None:
-        reader, _ = open_checkpoint(tmp_path)
-        for layer in reader.layers:
-            reader.check_layer(layer)
-
     with pytest.raises(error, match=message):
-        load()
-
-
-def test_stream_checks_every_header_before_the_first_tensor(tmp_path: Path, toy_adapter) -> None:
-    write_synthetic_checkpoint(tmp_path, "toymoe", "bf16", SIZES, max_shard_bytes=300_000)
-    _wrong_shape(tmp_path)
-    reader, _ = open_checkpoint(tmp_path)
-    stream = reader.iter_tensors("model.layers.1.mlp.experts")
-    with pytest.raises(CheckpointError, match="has shape"):
-        next(stream)  # expert 0 is fine, but nothing is yielded before expert 2 is checked
+        open_checkpoint(tmp_path)  # validates everything, reads no tensor data
 
 
 def test_reader_without_adapter_still_checks_files(tmp_path: Path, toy_adapter) -> None:
     write_synthetic_checkpoint(tmp_path, "toymoe", "bf16", SIZES, max_shard_bytes=300_000)
-    _absent_tensor(tmp_path)
     reader = CheckpointReader(tmp_path)
-    with pytest.raises(CheckpointError, match="absent from this file"):
-        reader.get_tensor(f"{EXPERT}.weight")
     with pytest.raises(CheckpointError, match="no tensor 'nope'"):
         reader.get_tensor("nope")
+    _absent_tensor(tmp_path)
+    with pytest.raises(CheckpointError, match="absent from this file"):
+        CheckpointReader(tmp_path)
 
 
 def test_format_mismatch_between_config_and_tensors(tmp_path: Path, toy_adapter) -> None:
@@ -342,9 +343,8 @@ def test_format_mismatch_between_config_and_tensors(tmp_path: Path, toy_adapter)
     config = json.loads((tmp_path / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    reader, _ = open_checkpoint(tmp_path)
-    with pytest.raises(CheckpointError, match="is not a tensor of fp8_block experts"):
-        reader.check_layer(reader.layers[0])
+    with pytest.raises(CheckpointError, match="is not a tensor of fp8_block routed experts"):
+        open_checkpoint(tmp_path)
 
 
 def test_missing_config_and_index(tmp_path: Path) -> None:
@@ -362,7 +362,7 @@ def test_missing_config_and_index(tmp_path: Path) -> None:
 
 
 def test_headers_are_read_without_tensor_data(tmp_path: Path, toy_adapter) -> None:
-    """check_layer only parses headers: it works on a file whose data bytes are garbage."""
+    """Validation parses headers only: it passes on a file whose data bytes are garbage."""
     write_synthetic_checkpoint(tmp_path, "toymoe", "bf16", SIZES, max_shard_bytes=300_000)
     shard = _shard_of(tmp_path, f"{EXPERT}.weight")
     data = bytearray(shard.read_bytes())

@@ -341,13 +341,13 @@ def _inf_scale(t: torch.Tensor) -> torch.Tensor:
     ("checkpoint_format", "target", "corrupt", "error", "message"),
     [
         (WeightFormat.BF16, "2.up_proj.weight", _nan_bf16, NonFiniteError,
-         r"expert 2 w3 weight holds 1 non-finite value"),
+         r"expert 2 up_proj.weight holds 1 non-finite value"),
         (WeightFormat.FP8_BLOCK, "1.down_proj.weight_scale_inv", _inf_scale, NonFiniteError,
-         r"expert 1 w2 weight_scale_inv holds 1 non-finite value"),
+         r"expert 1 down_proj.weight_scale_inv holds 1 non-finite value"),
         (WeightFormat.FP8_BLOCK, "2.gate_proj.weight", lambda t: t[:128], ValueError,
-         r"expert 2 w1 weight has shape \(128, 256\), expected \(256, 256\)"),
+         r"expert 2 gate_proj.weight has shape \(128, 256\), expected \(256, 256\)"),
         (WeightFormat.MXFP8, "3.gate_proj.weight_scale", lambda t: t.float(), ValueError,
-         r"expert 3 w1 weight_scale has dtype torch.float32, expected torch.uint8"),
+         r"expert 3 gate_proj.weight_scale has dtype torch.float32, expected torch.uint8"),
     ],
 )  # fmt: skip
 def test_a_reload_that_fails_midway_leaves_the_previous_weights_serving(
@@ -387,7 +387,7 @@ def test_first_load_writes_in_place_and_a_failed_one_names_what_it_dropped():
     assert m.pending_bytes == 0
     bad = [(n, t.view(torch.uint8).clone().fill_(0x7F).view(t.dtype) if n == "2.up_proj.weight"
             else t) for n, t in tensors[12:]]  # fmt: skip
-    with pytest.raises(NonFiniteError, match=r"expert 2 w3 weight holds 65536 non-finite"):
+    with pytest.raises(NonFiniteError, match=r"expert 2 up_proj.weight holds 65536 non-finite"):
         m.load_weights(bad)
     with pytest.raises(MissingExpertsError, match=r"4 kernel slot\(s\) never received"):
         m.finalize()  # the failed update is dropped whole, experts 0 and 1 included
@@ -480,17 +480,17 @@ def test_weight_packed_is_the_mxfp4_weight():
     ("checkpoint_format", "kind", "corrupt", "message"),
     [
         (WeightFormat.FP8_BLOCK, "weight", lambda t: t.to(torch.bfloat16),
-         r"expert 1 w2 weight has dtype torch.bfloat16, expected torch.float8_e4m3fn"),
+         r"expert 1 down_proj.weight has dtype torch.bfloat16, expected torch.float8_e4m3fn"),
         (WeightFormat.FP8_BLOCK, "weight_scale_inv", lambda t: t[:, :1],
-         r"expert 1 w2 weight_scale_inv has shape \(2, 1\), expected \(2, 2\)"),
+         r"expert 1 down_proj.weight_scale_inv has shape \(2, 1\), expected \(2, 2\)"),
         (WeightFormat.MXFP8, "weight",
          lambda t: t.view(torch.uint8).clone().index_fill_(1, torch.tensor([7]), 0x7F)
          .view(torch.float8_e4m3fn),
-         r"expert 1 w2 weight holds 256 non-finite value"),
+         r"expert 1 down_proj.weight holds 256 non-finite value"),
         (WeightFormat.MXFP4, "weight_scale", lambda t: t.clone().fill_(255),
-         r"expert 1 w2 weight_scale holds 2048 non-finite value"),
+         r"expert 1 down_proj.weight_scale holds 2048 non-finite value"),
         (WeightFormat.MXFP4, "weight", lambda t: t.T.contiguous(),
-         r"expert 1 w2 weight has shape \(128, 256\), expected \(256, 128\)"),
+         r"expert 1 down_proj.weight has shape \(128, 256\), expected \(256, 128\)"),
     ],
 )  # fmt: skip
 def test_checkpoint_tensor_checks_name_the_tensor(
@@ -525,7 +525,7 @@ def test_shared_expert_needs_num_shared_experts():
 
 def test_shared_expert_checks_the_whole_shared_mlp_shape():
     m = build(WeightFormat.BF16, WeightFormat.BF16, num_shared_experts=2)
-    with pytest.raises(ValueError, match=r"shared expert w2 weight has shape \(256, 256\), "
+    with pytest.raises(ValueError, match=r"shared expert down_proj.weight has shape \(256, 256\), "
                                          r"expected \(256, 512\)"):  # fmt: skip
         m.load_shared_expert_tensor("w2", "weight", torch.zeros(H, INTER, dtype=torch.bfloat16))
 
@@ -678,7 +678,7 @@ def test_counts_read_once_per_call_still_name_the_tensor_and_keep_serving():
     m.finalize()
     before = snapshot(m)
     update = _poison(stream(fmt, 4, seed=1), "2.up_proj.weight")
-    with pytest.raises(NonFiniteError, match=r"expert 2 w3 weight holds 65536 non-finite"):
+    with pytest.raises(NonFiniteError, match=r"expert 2 up_proj.weight holds 65536 non-finite"):
         m.load_weights(update)  # raised when the call ends, after every tensor went in
     assert m.pending_bytes == 0
     m.finalize()
@@ -696,7 +696,7 @@ def test_deferred_first_load_drops_what_it_wrote_in_place():
     m = _deferred(build(fmt, fmt))
     tensors = stream(fmt, 4)
     m.load_weights(tensors[:12])
-    with pytest.raises(NonFiniteError, match=r"expert 3 w2 weight holds 65536 non-finite"):
+    with pytest.raises(NonFiniteError, match=r"expert 3 down_proj.weight holds 65536 non-finite"):
         m.load_weights(_poison(tensors[12:], "3.down_proj.weight"))
     with pytest.raises(MissingExpertsError, match=r"4 kernel slot\(s\) never received"):
         m.finalize()
@@ -708,7 +708,7 @@ def test_a_waiting_half_is_checked_by_the_call_it_came_in():
     tensors = dict(stream(fmt, 4))
     scale = tensors["1.gate_proj.weight_scale"].clone()
     scale[7, 3] = 255
-    with pytest.raises(NonFiniteError, match=r"expert 1 w1 weight_scale holds 1 non-finite"):
+    with pytest.raises(NonFiniteError, match=r"expert 1 gate_proj.weight_scale holds 1 non-finite"):
         m.load_weights([("1.gate_proj.weight_scale", scale)])  # its weight never came
     m.load_weights(tensors.items())  # the dropped half does not linger
     m.finalize()

@@ -87,7 +87,9 @@ def _exercised(run_format: WeightFormat, device: str) -> MegaMoEExperts:
     params = m.kernel_params
     weight = params["w2_weight"].data[1].clone()
     scale = params["w2_weight_scale"].data[1].clone() if "w2_weight_scale" in params else None
-    done = m.weight_loader(params["w2_weight"], weight, "w2 weight", shard_id="w2", expert_id=1)
+    done = m.weight_loader(
+        params["w2_weight"], weight, "down_proj.weight", shard_id="w2", expert_id=1
+    )
     if scale is not None:
         done = m.weight_loader(
             params["w2_weight_scale"], scale, "w2 scale", shard_id="w2", expert_id=1

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from megamoe.core.adapters import SyntheticSizes
 from megamoe.core.checkpoint import CheckpointReader
-from megamoe.core.errors import IncompleteShardsError
+from megamoe.core.errors import CheckpointError, IncompleteShardsError
 from megamoe.core.formats import WeightFormat
 from megamoe.core.parallel import ParallelSettings
 from megamoe.core.testing import write_checkpoint
@@ -211,10 +211,8 @@ def test_load_from_checkpoint_reports_a_missing_expert_tensor(
     write_checkpoint(
         tmp_path, cfg, ((n, t) for n, t in ADAPTER.synthetic_tensors(cfg) if n != dropped)
     )
-    reader = CheckpointReader(tmp_path, ADAPTER)
-    block = block_of(parallel, cfg=cfg)
-    with pytest.raises(ValueError, match=r"2\.down_proj\.weight_scale"):
-        block.load_from_checkpoint(reader)
+    with pytest.raises(CheckpointError, match=r"2\.down_proj\.weight_scale"):
+        CheckpointReader(tmp_path, ADAPTER)  # validated when opened, before a block exists
 
 
 # -- the adapter -----------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from megamoe.core.block_setup import EXPERTS
+from megamoe.core.errors import NoAdapterError
 from megamoe.core.expert_names import TensorSpec, expert_tensor_spec, parse_expert_name
 from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
 from megamoe.core.hf_config import MoEConfig, is_composite, quantization_config
@@ -67,6 +68,21 @@ class MoELayer:
     prefix: str
     checkpoint_format: WeightFormat
     is_mtp: bool = False
+
+
+@dataclass(frozen=True)
+class SharedExpert:
+    """A layer's shared expert as the checkpoint stores it: one SwiGLU MLP without an index.
+
+    Attributes:
+        prefix: the prefix of its tensors, ``{prefix}.{gate,up,down}_proj.{weight,<scale>}``.
+        checkpoint_format: how they are stored.
+        intermediate_size: the width of the whole shared MLP (all shared experts together).
+    """
+
+    prefix: str
+    checkpoint_format: WeightFormat
+    intermediate_size: int
 
 
 @dataclass(frozen=True)
@@ -142,8 +158,8 @@ class MoEBlock(torch.nn.Module):
     def load_from_checkpoint(self, reader: CheckpointReader) -> None:
         """Load this layer's tensors (only this rank's experts) and finalize.
 
-        Only this rank's experts are read, one tensor at a time; with a reader opened with
-        an adapter, their headers are checked before anything is loaded.
+        Only this rank's experts are read, one tensor at a time; a reader opened with an
+        adapter validated every header when it was opened.
 
         Args:
             reader: the checkpoint.
@@ -153,10 +169,6 @@ class MoEBlock(torch.nn.Module):
             ValueError / IncompleteShardsError / MissingExpertsError: see the block's
                 ``load_weights`` and ``finalize``.
         """
-        layer = next((m for m in reader.layers if m.prefix == self.prefix), None)
-        if layer is not None:
-            experts = range(self.experts.num_logical_experts)
-            reader.check_layer(layer, [e for e in experts if self.experts.map_global_expert_id(e)])
         self.load_weights(reader.iter_tensors(self.prefix, keep=self.wants))
         self.finalize()
 
@@ -349,6 +361,14 @@ class ModelAdapter(abc.ABC):
         """
         return (f"{layer.prefix}.experts",)
 
+    def shared_expert(self, config: Mapping[str, Any], layer: MoELayer) -> SharedExpert | None:
+        """The shared expert of ``layer`` the checkpoint must hold; None for a model without.
+
+        The checkpoint reader checks its tensors' names, dtypes and shapes from the headers,
+        as it does the routed experts'. The default: none.
+        """
+        return None
+
     def expert_dims(self, config: Mapping[str, Any]) -> tuple[int, int, int]:
         """``(routed experts E, hidden size H, expert intermediate size I)`` of ``config``.
 
@@ -406,12 +426,12 @@ def installed_adapters() -> dict[str, ModelAdapter]:
 KNOWN_DISTRIBUTIONS = {"qwen4exp": "megamoe-qwen4exp", "glm5next": "megamoe-glm5next"}
 
 
-def adapter_for(config: Mapping[str, Any]) -> ModelAdapter:
-    """The installed adapter that claims ``config``.
+def adapter_for(config: Mapping[str, Any], source: str = "config.json") -> ModelAdapter:
+    """The installed adapter that claims ``config`` (read from ``source``, for the message).
 
     Raises:
-        LookupError: none does; the message lists the installed adapters and the pip
-            command for the others.
+        NoAdapterError: none does (a ``CheckpointError`` and a ``LookupError``); the
+            message lists the installed adapters and the pip command for the others.
     """
     adapters = installed_adapters()
     for adapter in adapters.values():
@@ -419,8 +439,9 @@ def adapter_for(config: Mapping[str, Any]) -> ModelAdapter:
             return adapter
     others = [d for n, d in KNOWN_DISTRIBUTIONS.items() if n not in adapters]
     hint = f"; for other models: pip install {' '.join(others)}" if others else ""
-    raise LookupError(
-        f"no installed megamoe adapter handles model_type={config.get('model_type')!r} "
+    raise NoAdapterError(
+        f"{source}: no installed megamoe adapter handles "
+        f"model_type={config.get('model_type')!r} "
         f"(architectures={config.get('architectures')!r}); installed: "
         f"{', '.join(adapters) or 'none'}{hint}"
     )

@@ -41,6 +41,7 @@ class DeviceArrival:
         what: str,
         *,
         ue8m0: bool,
+        block_scale: bool = False,
     ) -> dict[str, torch.Tensor] | None:
         """Copy one half to the device (once), count its NaN/inf there, pair it.
 
@@ -51,6 +52,7 @@ class DeviceArrival:
             tensor: the half, dtype and shape already checked.
             what: the tensor named for messages.
             ue8m0: a ``uint8`` tensor holds UE8M0 exponents (255 = NaN).
+            block_scale: the half is a block-FP8 scale, which must also be > 0.
 
         Returns:
             The complete shard (halves on the device, or the caller's where one waited
@@ -58,6 +60,8 @@ class DeviceArrival:
         """
         held = tensor.to(self.device)
         self.ledger.record(what, held, ue8m0=ue8m0)
+        if block_scale:
+            self.ledger.record_block_scale(what, held)
         parts = pairing.add(key, kind, held)
         over_budget = pairing.held_bytes(held.device) > self.budget
         if parts is None and held is not tensor and over_budget:

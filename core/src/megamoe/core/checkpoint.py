@@ -1,14 +1,26 @@
-"""Read Hugging Face checkpoint directories tensor by tensor, checking before reading (SPEC §3.6).
+"""Read Hugging Face checkpoint directories tensor by tensor, validated before any data is read.
 
 A checkpoint is ``config.json`` plus ``model.safetensors`` or shards listed in
 ``model.safetensors.index.json``. Routed experts stored fused (``experts.gate_up_proj``
 (E, 2I, H), gate rows first, and ``experts.down_proj`` (E, H, I), as transformers'
 ``save_pretrained(save_original_format=False)`` writes them) read as their per-expert
 projections ``experts.{e}.{gate,up,down}_proj.weight``: slices of the fused tensors, so
-a rank reads only its own experts. Every read first checks the safetensors headers of the
-tensors involved (file present and parseable, tensor present, dtype and shape as the
-adapter expects from ``config.json``), so a bad checkpoint fails with an error naming the
-file and tensor before any of its data is read.
+a rank reads only its own experts.
+
+Opening a checkpoint with its adapter (``open_checkpoint``; every command and the loading
+API do) validates it once, the same way for every caller, before any tensor data is read:
+
+1. ``config.json``: a JSON object the adapter parses, every size within the bounds of
+   ``megamoe.core.hf_config.SIZE_BOUNDS`` and valid for the kernel (hidden and
+   intermediate sizes multiples of 128);
+2. the files (``megamoe.core.checkpoint_files``): names confined to the directory, every
+   header parsed by safetensors, the index and the shards in agreement;
+3. every expert tensor of every MoE layer (routed, shared, MTP): a name the layer's format
+   has, an expert index below the config's expert count, the dtype and shape the config
+   implies, and every expert complete.
+
+Data checks (NaN/inf, block-FP8 scales that are zero or negative) happen where data is
+read: while loading and converting.
 """
 
 from __future__ import annotations
@@ -22,8 +34,16 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from megamoe.core.adapters import ModelAdapter, MoELayer, adapter_for
+from megamoe.core.adapters import ModelAdapter, MoELayer, SharedExpert, adapter_for
+from megamoe.core.checkpoint_files import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    REDOWNLOAD,
+    SINGLE_FILE,
+    CheckpointFiles,
+)
 from megamoe.core.errors import CheckpointError, format_keys
+from megamoe.core.expert_layout import check_kernel_dims
 from megamoe.core.expert_names import (
     EXPERT_PROJS,
     FUSED_DOWN,
@@ -32,15 +52,23 @@ from megamoe.core.expert_names import (
     TensorSpec,
     parse_expert_name,
     parse_single_name,
+    projection_shape,
+    projection_specs,
     weight_kinds,
 )
-from megamoe.core.formats import WeightFormat
-from megamoe.core.shardfile import dtype_from_safetensors
+from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
+from megamoe.core.hf_config import quantization_config
 
-CONFIG_FILE = "config.json"
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-_REDOWNLOAD = "download or copy the checkpoint again"
+__all__ = [
+    "CONFIG_FILE",
+    "INDEX_FILE",
+    "SINGLE_FILE",
+    "CheckpointReader",
+    "FusedPiece",
+    "open_checkpoint",
+    "read_config",
+]
+MAX_CONFIG_BYTES = 16 << 20  # a real config.json is a few KB
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -55,6 +83,10 @@ def read_config(path: str | Path) -> dict[str, Any]:
     config_path = path / CONFIG_FILE
     if not config_path.is_file():
         raise CheckpointError(f"{path}: no {CONFIG_FILE}; expected a Hugging Face checkpoint dir")
+    if config_path.stat().st_size > MAX_CONFIG_BYTES:
+        raise CheckpointError(
+            f"{config_path}: larger than {MAX_CONFIG_BYTES} bytes; not a model config"
+        )
     try:
         config = json.loads(config_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -67,30 +99,42 @@ def read_config(path: str | Path) -> dict[str, Any]:
 class CheckpointReader:
     """A checkpoint directory: ``config.json`` plus one or more safetensors files.
 
-    Tensors are read one at a time through ``safe_open``; no file is read whole.
+    Tensors are read one at a time through ``safe_open``; no file is read whole. Opened
+    with an adapter, the whole checkpoint is validated first (see the module docstring).
 
     Args:
         path: the checkpoint directory.
         adapter: the model's adapter; given, the reader knows the MoE layers and checks
-            every routed-expert tensor's dtype and shape against the config before reading.
+            every expert tensor's name, dtype and shape against the config.
 
     Attributes:
         config: the parsed ``config.json``.
+        files: the validated safetensors files.
         weight_map: tensor name -> file name.
         adapter: the adapter given, or None.
         layers: the adapter's MoE layers (empty without an adapter).
 
     Raises:
-        CheckpointError: a missing or unreadable config, index or shard file.
+        CheckpointError: a missing, unsafe or unreadable config, index or shard file, files
+            that disagree, or expert tensors that do not match the config.
+        ValueError: an invalid or out-of-bounds config key (named).
         NotImplementedError: the adapter refuses the quantization method of a layer.
     """
 
     def __init__(self, path: str | Path, adapter: ModelAdapter | None = None) -> None:
         self.path = Path(path)
         self.config = read_config(self.path)
-        self._headers: dict[str, dict[str, TensorSpec]] = {}
-        self.weight_map = self._read_weight_map()
         self.adapter = adapter
+        if adapter is not None:  # bounded sizes before any loop they drive
+            _, hidden, inter = adapter.expert_dims(self.config)
+            try:
+                check_kernel_dims(hidden, inter)
+            except ValueError as err:
+                raise CheckpointError(
+                    f"{self.path / CONFIG_FILE}: {err}; this model cannot run on MegaMoE"
+                ) from None
+        self.files = CheckpointFiles(self.path)
+        self.weight_map = self.files.weight_map
         self.layers: list[MoELayer] = (
             [] if adapter is None else adapter.moe_layers(self.config, self.weight_map.keys())
         )
@@ -99,53 +143,27 @@ class CheckpointReader:
             for layer in self.layers
             for prefix in (adapter.expert_prefixes(layer) if adapter else ())
         }
+        self._groups = self._group_names()
+        for layer in self.layers:
+            self.check_layer(layer)
 
-    def _read_weight_map(self) -> dict[str, str]:
-        index = self.path / INDEX_FILE
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
-                raise CheckpointError(
-                    f"{index}: not a valid index (needs a JSON object with a 'weight_map' "
-                    f"object; {type(err).__name__}: {err}); {_REDOWNLOAD}"
-                ) from None
-            if not isinstance(weight_map, dict):
-                raise CheckpointError(f"{index}: 'weight_map' must map tensor names to files")
-        elif (self.path / SINGLE_FILE).is_file():
-            weight_map = dict.fromkeys(self._header(SINGLE_FILE), SINGLE_FILE)
-        else:
-            raise CheckpointError(f"{self.path}: neither {INDEX_FILE} nor {SINGLE_FILE} is present")
-        by_file: dict[str, list[str]] = {}
-        for name, file in weight_map.items():
-            by_file.setdefault(file, []).append(name)
-        for file, names in sorted(by_file.items()):
-            if not (self.path / file).is_file():
-                raise CheckpointError(
-                    f"{self.path / file}: shard file is missing; {INDEX_FILE} names it for "
-                    f"{len(names)} tensor(s), e.g. {format_keys(names[:3])}; {_REDOWNLOAD}"
-                )
-        return weight_map
-
-    def _header(self, file: str) -> dict[str, TensorSpec]:
-        """Dtype and shape of every tensor in ``file``, from its header (cached)."""
-        if file not in self._headers:
-            path = self.path / file
-            try:
-                with safe_open(path, framework="pt") as f:
-                    header = {}
-                    for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                        piece = f.get_slice(name)
-                        header[name] = TensorSpec(
-                            dtype_from_safetensors(piece.get_dtype()), tuple(piece.get_shape())
-                        )
-            except Exception as err:  # safetensors raises its own (Rust) error type
-                raise CheckpointError(
-                    f"{path}: not a readable safetensors file ({err}); the file is truncated "
-                    f"or corrupt: {_REDOWNLOAD}"
-                ) from None
-            self._headers[file] = header
-        return self._headers[file]
+    def _group_names(self) -> dict[str, list[str]]:
+        """Names under each expert prefix (routed and shared), relative to it, in one pass."""
+        prefixes = set(self._expert_layers)
+        if self.adapter is not None:
+            for layer in self.layers:
+                shared = self.adapter.shared_expert(self.config, layer)
+                if shared is not None:
+                    prefixes.add(shared.prefix)
+        groups: dict[str, list[str]] = {p: [] for p in prefixes}
+        for name in self.weight_map:
+            parts = name.split(".")
+            for cut in range(len(parts) - 1, 0, -1):
+                group = groups.get(".".join(parts[:cut]))
+                if group is not None:
+                    group.append(".".join(parts[cut:]))
+                    break
+        return {p: sorted(names) for p, names in groups.items()}
 
     def tensor_names(self) -> list[str]:
         """Every tensor name, sorted."""
@@ -155,7 +173,7 @@ class CheckpointReader:
         return name in self.weight_map
 
     def file_of(self, name: str) -> Path:
-        """The file holding tensor ``name``.
+        """The file holding tensor ``name``, as it lies in the checkpoint directory.
 
         Raises:
             CheckpointError: no such tensor in the checkpoint.
@@ -169,16 +187,9 @@ class CheckpointReader:
         """Dtype and shape of tensor ``name`` as its file's header gives them.
 
         Raises:
-            CheckpointError: the tensor is unknown, its file unreadable, or the file lacks it.
+            CheckpointError: the tensor is unknown.
         """
-        file = self.file_of(name).name
-        header = self._header(file)
-        if name not in header:
-            raise CheckpointError(
-                f"{self.path / file}: tensor {name!r} is named in {INDEX_FILE} but absent "
-                f"from this file; {_REDOWNLOAD}"
-            )
-        return header[name]
+        return self.files.spec(name)
 
     def expert_layer(self, name: str) -> tuple[MoELayer, str] | None:
         """The MoE layer whose routed experts include ``name``, and the name relative to them."""
@@ -189,104 +200,134 @@ class CheckpointReader:
                 return layer, ".".join(parts[cut:])
         return None
 
-    def check_tensors(self, names: Iterable[str]) -> None:
-        """Check tensors from their headers alone: present, and as the adapter expects.
+    def _mismatch(self, name: str, got: TensorSpec, want: TensorSpec, what: str) -> None:
+        """Raise naming the file and tensor when ``got`` differs from ``want``."""
+        if got.dtype != want.dtype:
+            found = f"has dtype {got.dtype}, expected {want.dtype}"
+        elif got.shape != want.shape:
+            found = f"has shape {got.shape}, expected {want.shape}"
+        else:
+            return
+        raise CheckpointError(
+            f"{self.file_of(name)}: tensor {name!r} {found} for {what} per {CONFIG_FILE}; the "
+            "weights do not match the config: fix config.json or use the checkpoint it "
+            "belongs to"
+        )
+
+    def check_layer(self, layer: MoELayer) -> None:
+        """Check every expert tensor of ``layer`` from the headers (the reader does at open).
+
+        Routed experts (the first of ``expert_prefixes(layer)``): every name under the
+        prefix is an expert tensor of the layer's format (``{e}.{proj}.{kind}``, or fused
+        BF16) with ``e`` below the config's expert count and the dtype and shape the config
+        implies, and every expert has every projection. The shared expert
+        (``adapter.shared_expert``), when the model has one, likewise.
 
         Raises:
-            CheckpointError: a tensor is missing from the index or its file, its file is
-                unreadable, or a routed-expert tensor's dtype or shape disagrees with the
-                config; the message names the file and the tensor.
-        """
-        for name in names:
-            got = self.tensor_spec(name)
-            found = self.expert_layer(name)
-            if found is None or self.adapter is None:
-                continue
-            layer, rel = found
-            want = self.adapter.expected_expert_tensor(self.config, layer, rel)
-            if want is None:
-                continue
-            what = None
-            if got.dtype != want.dtype:
-                what = f"has dtype {got.dtype}, expected {want.dtype}"
-            elif got.shape != want.shape:
-                what = f"has shape {got.shape}, expected {want.shape}"
-            if what is not None:
-                dims = self.adapter.expert_dims(self.config)
-                raise CheckpointError(
-                    f"{self.file_of(name)}: tensor {name!r} {what} for "
-                    f"{layer.checkpoint_format.value} experts with (experts, hidden, "
-                    f"intermediate) = {dims} per {CONFIG_FILE}; the weights do not match the "
-                    "config: fix config.json or use the checkpoint it belongs to"
-                )
-
-    def check_layer(self, layer: MoELayer, experts: Iterable[int] | None = None) -> None:
-        """Check every routed-expert tensor of ``layer`` from headers, before loading it.
-
-        Args:
-            layer: one of ``self.layers``.
-            experts: only these expert indices (this rank's); None checks all.
-
-        The first of ``expert_prefixes(layer)`` holds the routed experts; further prefixes
-        may be absent. A prefix holding one unindexed expert (``{gate,up,down}_proj.*``,
-        e.g. a shared expert the kernel runs as an extra expert) is checked for presence.
-
-        Raises:
-            CheckpointError: a missing, unreadable or mismatching tensor (see
-                ``check_tensors``), a tensor that is no expert tensor of the layer's
-                format, or experts whose tensors the index lacks.
+            CheckpointError: an unknown or mismatching tensor, or missing ones; the message
+                names the file, the tensor and the rule.
             ValueError: the reader has no adapter.
         """
-        if self.adapter is None:
+        adapter = self.adapter
+        if adapter is None:
             raise ValueError("check_layer needs a reader opened with an adapter")
-        num_experts = self.adapter.expert_dims(self.config)[0]
-        wanted = set(range(num_experts) if experts is None else experts)
+        num_experts, hidden, inter = adapter.expert_dims(self.config)
         fmt = layer.checkpoint_format
-        for position, prefix in enumerate(self.adapter.expert_prefixes(layer)):
-            present: dict[tuple[int | None, str], set[str]] = {}
-            names = []
-            rels = self.names_under(prefix)
-            if position and not rels:
-                continue  # an optional extra group (e.g. no shared expert in this model)
-            if rels and all(parse_single_name(rel) for rel in rels):
-                # One expert without an index (a shared expert): its loader checks it.
-                self.check_tensors(f"{prefix}.{rel}" for rel in rels)
-                continue
-            for rel in rels:
-                parsed = parse_expert_name(rel)
-                full = f"{prefix}.{rel}"
-                if parsed is not None and (parsed.expert is None or parsed.expert in wanted):
-                    if self.adapter.expected_expert_tensor(self.config, layer, rel) is None:
-                        raise CheckpointError(
-                            f"{self.file_of(full)}: tensor {full!r} is not a tensor of "
-                            f"{fmt.value} experts ({num_experts} experts); the checkpoint "
-                            f"does not match the quantization_config of {CONFIG_FILE}"
-                        )
-                    present.setdefault((parsed.expert, parsed.proj), set()).add(parsed.kind)
-                    names.append(full)
-            self.check_tensors(names)
-            _check_complete(prefix, fmt, present, sorted(wanted), self.path / INDEX_FILE)
+        prefix = adapter.expert_prefixes(layer)[0]
+        what = (
+            f"{fmt.value} experts with (experts, hidden, intermediate) = "
+            f"({num_experts}, {hidden}, {inter})"
+        )
+        present: dict[tuple[int | None, str], set[str]] = {}
+        for rel in self.names_under(prefix):
+            full = f"{prefix}.{rel}"
+            parsed = parse_expert_name(rel)
+            if parsed is not None and parsed.expert is not None and parsed.expert >= num_experts:
+                raise CheckpointError(
+                    f"{self.file_of(full)}: tensor {full!r} is of expert {parsed.expert}, but "
+                    f"{CONFIG_FILE} gives {num_experts} routed experts (ids 0..{num_experts - 1})"
+                    "; the checkpoint and its config disagree: fix config.json or use the "
+                    "checkpoint it belongs to"
+                )
+            want = adapter.expected_expert_tensor(self.config, layer, rel)
+            if parsed is None or want is None:
+                raise CheckpointError(
+                    f"{self.file_of(full)}: tensor {full!r} is not a tensor of {fmt.value} "
+                    f"routed experts (expected {_routed_pattern(fmt)}); the checkpoint does "
+                    f"not match the quantization_config of {CONFIG_FILE}"
+                )
+            self._mismatch(full, self.tensor_spec(full), want, what)
+            present.setdefault((parsed.expert, parsed.proj), set()).add(parsed.kind)
+        _check_complete(prefix, fmt, present, range(num_experts), self.files.index or self.path)
+        shared = adapter.shared_expert(self.config, layer)
+        if shared is not None:
+            self._check_shared(shared, hidden)
+
+    def _check_shared(self, shared: SharedExpert, hidden: int) -> None:
+        """The shared expert's tensors: names, dtypes, shapes, and all of them present."""
+        fmt, inter = shared.checkpoint_format, shared.intermediate_size
+        quant = quantization_config(self.config) or {}
+        block = tuple(quant.get("weight_block_size") or BLOCK_FP8_DEFAULT)
+        kinds = {*weight_kinds(fmt), *((fmt.scale_name,) if fmt.scale_name else ())}
+        pattern = "{gate,up,down}_proj.{" + ",".join(sorted(kinds)) + "}"
+        what = f"a {fmt.value} shared expert with (hidden, intermediate) = ({hidden}, {inter})"
+        present: dict[str, set[str]] = {}
+        for rel in self.names_under(shared.prefix):
+            full = f"{shared.prefix}.{rel}"
+            single = parse_single_name(rel)
+            if single is None or single[1] not in kinds:
+                raise CheckpointError(
+                    f"{self.file_of(full)}: tensor {full!r} is not a tensor of {what} "
+                    f"(expected {pattern}); the checkpoint does not match the "
+                    f"quantization_config of {CONFIG_FILE}"
+                )
+            proj, kind = single
+            weight, scale = projection_specs(
+                fmt, *projection_shape(proj, hidden, inter), (block[0], block[-1])
+            )
+            want = weight if kind in weight_kinds(fmt) else scale
+            assert want is not None  # kinds holds a scale name only for formats with scales
+            self._mismatch(full, self.tensor_spec(full), want, what)
+            present.setdefault(proj, set()).add(kind)
+        missing = [
+            f"{proj}.{kind}"
+            for proj in EXPERT_PROJS
+            for kind, needed in (
+                (WEIGHT, not present.get(proj, set()) & set(weight_kinds(fmt))),
+                (fmt.scale_name, fmt.scale_name not in present.get(proj, set())),
+            )
+            if kind is not None and needed
+        ]
+        if missing:
+            raise CheckpointError(
+                f"{self.path}: {len(missing)} tensor(s) of the shared expert {shared.prefix} "
+                f"are missing, e.g. {format_keys(missing)}; {CONFIG_FILE} declares {what}, "
+                f"stored as {pattern}; {REDOWNLOAD}"
+            )
 
     def names_under(self, prefix: str) -> list[str]:
         """Names of the tensors under ``prefix + "."``, relative to it, sorted."""
+        if prefix in self._groups:
+            return list(self._groups[prefix])
         head = prefix + "."
         return sorted(n[len(head) :] for n in self.weight_map if n.startswith(head))
 
     def get_tensor(self, name: str) -> torch.Tensor:
-        """Read one tensor after checking its header.
+        """Read one tensor (a per-expert projection of a fused checkpoint: its slice).
 
         Raises:
-            CheckpointError: see ``check_tensors``, or the file fails to read.
+            CheckpointError: no such tensor, or the file fails to read.
         """
         piece = self.fused_piece(name)
         stored = name if piece is None else piece.stored
-        self.check_tensors([stored])
-        path = self.file_of(stored)
+        file = self.file_of(stored).name
         try:
-            with safe_open(path, framework="pt") as f:
+            with safe_open(self.files.resolved(file), framework="pt") as f:
                 return _read(f, name, piece)
         except Exception as err:
-            raise CheckpointError(f"{path}: reading tensor {name!r} failed ({err})") from None
+            raise CheckpointError(
+                f"{self.path / file}: reading tensor {name!r} failed ({err})"
+            ) from None
 
     def fused_piece(self, name: str) -> FusedPiece | None:
         """Where per-expert projection ``name`` lies when the checkpoint stores it fused.
@@ -335,7 +376,7 @@ class CheckpointReader:
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Stream the tensors under ``prefix + "."``, one at a time, file by file.
 
-        The headers of every selected tensor are checked before the first is read.
+        The reader validated every header when it was opened.
 
         Args:
             prefix: e.g. ``model.layers.3.mlp.experts``.
@@ -346,24 +387,21 @@ class CheckpointReader:
             ``(name relative to prefix, tensor)``.
 
         Raises:
-            CheckpointError: see ``check_tensors``, or a file fails to read.
+            CheckpointError: a file fails to read.
         """
         head = prefix + "."
         by_file: dict[str, list[str]] = {}
-        stored: list[str] = []
         for name, file in self.weight_map.items():
             if not name.startswith(head):
                 continue
             pieces = self._expand_fused(name) or [name]
             kept = [p for p in pieces if keep is None or keep(p[len(head) :])]
             if kept:
-                stored.append(name)
                 by_file.setdefault(file, []).extend(kept)
-        self.check_tensors(stored)
         for file, names in sorted(by_file.items()):
             path = self.path / file
             try:
-                with safe_open(path, framework="pt") as f:
+                with safe_open(self.files.resolved(file), framework="pt") as f:
                     for name in sorted(names):
                         yield name[len(head) :], _read(f, name, self.fused_piece(name))
             except CheckpointError:
@@ -396,15 +434,32 @@ def _read(f: Any, name: str, piece: FusedPiece | None) -> torch.Tensor:
     return f.get_slice(piece.stored)[piece.expert : piece.expert + 1, start:stop][0].contiguous()
 
 
+def _routed_pattern(fmt: WeightFormat) -> str:
+    """The routed-expert tensor names of ``fmt``, for messages."""
+    kinds = {*weight_kinds(fmt), *((fmt.scale_name,) if fmt.scale_name else ())}
+    pattern = "{e}.{gate,up,down}_proj.{" + ",".join(sorted(kinds)) + "}"
+    if fmt is WeightFormat.BF16:
+        pattern += f" or fused {FUSED_GATE_UP} / {FUSED_DOWN}"
+    return pattern
+
+
 def _check_complete(
     prefix: str,
     fmt: WeightFormat,
     present: dict[tuple[int | None, str], set[str]],
-    experts: list[int],
+    experts: Iterable[int],
     index: Path,
 ) -> None:
-    """Raise unless every wanted expert has its weight (and scale) for every projection."""
-    if (None, FUSED_GATE_UP) in present or (None, FUSED_DOWN) in present:
+    """Raise unless every expert has its weight (and scale) for every projection."""
+    fused = [p for p in (FUSED_GATE_UP, FUSED_DOWN) if (None, p) in present]
+    if fused and len(fused) < len(present):
+        per_expert = sorted(f"{e}.{proj}" for e, proj in present if e is not None)
+        raise CheckpointError(
+            f"{index}: {prefix} holds fused {format_keys(fused)} and per-expert tensors "
+            f"(e.g. {format_keys(per_expert[:3])}); store the experts one way: fused or per "
+            "expert"
+        )
+    if fused:
         missing = [p for p in (FUSED_GATE_UP, FUSED_DOWN) if (None, p) not in present]
     else:
         kinds = weight_kinds(fmt)
@@ -417,9 +472,10 @@ def _check_complete(
                 if fmt.scale_name is not None and fmt.scale_name not in got:
                     missing.append(f"{e}.{proj}.{fmt.scale_name}")
     if missing:
+        where = f"{index.parent} ({index.name})" if index.is_file() else f"{index} ({SINGLE_FILE})"
         raise CheckpointError(
-            f"{index.parent}: {len(missing)} routed-expert tensor(s) of {prefix} are missing "
-            f"from the checkpoint ({index.name if index.is_file() else SINGLE_FILE}), e.g. "
+            f"{where}: {len(missing)} routed-expert tensor(s) of {prefix} are missing "
+            f"from the checkpoint, e.g. "
             f"{format_keys(missing)}; a {fmt.value} expert needs weight"
             f"{' and ' + fmt.scale_name if fmt.scale_name else ''} for gate, up and down"
         )
@@ -432,13 +488,15 @@ def open_checkpoint(path: str | Path) -> tuple[CheckpointReader, ModelAdapter]:
         path: the checkpoint directory.
 
     Returns:
-        ``(reader, adapter)``; the reader checks expert tensors against the config.
+        ``(reader, adapter)``; the reader has validated the whole checkpoint.
 
     Raises:
-        CheckpointError: a missing or unreadable config, index or shard file.
-        LookupError: no installed adapter claims the model; the message lists the
-            installed adapters and the pip command for the others.
+        CheckpointError: see ``CheckpointReader``.
+        NoAdapterError: no installed adapter claims the model (a ``CheckpointError`` and a
+            ``LookupError``); the message lists the installed adapters and the pip command
+            for the others.
+        ValueError: an invalid or out-of-bounds config key.
         NotImplementedError: a layer's quantization method megamoe cannot load.
     """
-    adapter = adapter_for(read_config(path))
+    adapter = adapter_for(read_config(path), str(Path(path) / CONFIG_FILE))
     return CheckpointReader(path, adapter), adapter

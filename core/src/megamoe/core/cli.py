@@ -137,8 +137,6 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     layers = _select_layers(reader.layers, args.layers)
     device = default_device() if args.device is None else torch.device(args.device)
     parallel = ParallelSettings(ep_group=single_rank_group(device))
-    for layer in layers:
-        reader.check_layer(layer)
     rows, failed = [], 0
     for layer in layers:
         check = verify_layer(

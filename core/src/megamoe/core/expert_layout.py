@@ -193,6 +193,20 @@ class ExpertLayout:
             )
 
 
+def check_kernel_dims(hidden_size: int, intermediate_size: int) -> None:
+    """Raise unless the expert sizes suit the kernel tiles (positive multiples of 128).
+
+    Raises:
+        ValueError: names the size, its value and the rule.
+    """
+    for option, size in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+        if not _aligned(size):
+            raise ValueError(
+                f"expert {option}={size} must be a positive multiple of {ALIGN} (MegaMoE "
+                "kernel tiles)"
+            )
+
+
 def _aligned(size: int) -> bool:
     """A positive multiple of ``ALIGN``."""
     return size > 0 and size % ALIGN == 0

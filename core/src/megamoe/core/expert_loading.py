@@ -35,6 +35,7 @@ from megamoe.core.pairing import (
     SHARD_DOWN,
     SHARD_GATE,
     SHARD_IDS,
+    SHARD_TO_PROJ,
     SHARD_UP,
     ShardKey,
     ShardPairing,
@@ -171,8 +172,15 @@ class ExpertLoading(abc.ABC):
             self._check_spec(name, tensor, fmt, self.layout.specs(fmt, shard_id), kind)
             slot = expert_id + (self.num_local_experts if shared else 0)
             ue8m0 = kind == SCALE and fmt.is_mx
+            block_scale = kind == SCALE and fmt is WeightFormat.FP8_BLOCK
             parts = self._arrival.arrive(
-                self._run_pairing, (slot, shard_id), kind, tensor, name, ue8m0=ue8m0
+                self._run_pairing,
+                (slot, shard_id),
+                kind,
+                tensor,
+                name,
+                ue8m0=ue8m0,
+                block_scale=block_scale,
             )
             if parts is None:
                 return False
@@ -320,10 +328,13 @@ class ExpertLoading(abc.ABC):
             )
         fmt = self.checkpoint_format
         specs = self.layout.specs(fmt, shard_id, whole_shared=slot is None)
-        name = f"{what} {shard_id} {kind}"
+        name = f"{what} {SHARD_TO_PROJ[shard_id]}.{kind}"
         self._check_spec(name, tensor, fmt, specs, kind)
         ue8m0 = kind != WEIGHT and fmt.is_mx
-        parts = self._arrival.arrive(self._pairing, key, kind, tensor, name, ue8m0=ue8m0)
+        block_scale = kind != WEIGHT and fmt is WeightFormat.FP8_BLOCK
+        parts = self._arrival.arrive(
+            self._pairing, key, kind, tensor, name, ue8m0=ue8m0, block_scale=block_scale
+        )
         if parts is None:
             return set()
         self._on_shard_complete(key, parts)

@@ -70,9 +70,14 @@ def parse_expert_name(name: str) -> ExpertTensorName | None:
     parts = name.split(".")
     if len(parts) == 1 and parts[0] in (FUSED_GATE_UP, FUSED_DOWN):
         return ExpertTensorName(None, parts[0], "")
-    if len(parts) == 3 and parts[0].isdigit() and parts[1] in EXPERT_PROJS:
+    if len(parts) == 3 and _is_index(parts[0]) and parts[1] in EXPERT_PROJS:
         return ExpertTensorName(int(parts[0]), parts[1], parts[2])
     return None
+
+
+def _is_index(text: str) -> bool:
+    """An expert index as checkpoints write it: ASCII digits, no leading zero (not ``07``)."""
+    return text.isascii() and text.isdigit() and (text == "0" or not text.startswith("0"))
 
 
 def projection_shape(proj: str, hidden_size: int, intermediate_size: int) -> tuple[int, int]:
@@ -119,12 +124,15 @@ def expert_tensor_spec(
 
     Returns:
         The spec, or None for a name that is no tensor of this format (an unknown
-        name, a scale of another format, an expert index outside ``[0, E)``).
+        name, a scale of another format, an expert index outside ``[0, E)``, a fused
+        tensor of quantized experts).
     """
     parsed = parse_expert_name(name)
     if parsed is None:
         return None
     if parsed.is_fused:
+        if fmt is not WeightFormat.BF16:
+            return None  # quantized experts are stored per expert
         rows = 2 * intermediate_size if parsed.proj == FUSED_GATE_UP else hidden_size
         cols = hidden_size if parsed.proj == FUSED_GATE_UP else intermediate_size
         return TensorSpec(torch.bfloat16, (num_experts, rows, cols))
@@ -150,19 +158,4 @@ def parse_single_name(name: str) -> tuple[str, str] | None:
     parts = name.split(".")
     if len(parts) == 2 and parts[0] in EXPERT_PROJS:
         return parts[0], parts[1]
-    return None
-
-
-def stored_format(weight_dtype: torch.dtype, kinds: set[str]) -> WeightFormat | None:
-    """The format of a projection stored with this weight dtype and these tensor kinds.
-
-    Returns:
-        BF16 for bfloat16 alone, FP8_BLOCK for E4M3 with ``weight_scale_inv``, MXFP8 for
-        E4M3 with ``weight_scale``, MXFP4 for uint8 with ``weight_scale``; None otherwise.
-    """
-    scales = {f.scale_name for f in WeightFormat if f.scale_name} & kinds
-    for fmt in WeightFormat:
-        wanted = {fmt.scale_name} if fmt.scale_name else set()
-        if fmt.element_dtype == weight_dtype and scales == wanted:
-            return fmt
     return None

@@ -1,4 +1,8 @@
-"""Non-finite checks of loaded weights and scales, read back once per load call (SPEC §5).
+"""Data checks of loaded weights and scales, read back once per load call (SPEC §5).
+
+Two checks: no weight or scale may decode to NaN or infinity, and a block-FP8 scale must be
+finite and > 0 (a zero scale erases its 128x128 block, a negative one flips its sign;
+neither is a quantization a checkpoint writer produces).
 
 A checkpoint tensor is checked where it will live, after its one copy to the experts'
 device. On a GPU each tensor's count of NaN/inf stays on the device: ``NonFiniteLedger``
@@ -12,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from megamoe.core.errors import NonFiniteError, format_keys
+from megamoe.core.errors import InvalidScaleError, NonFiniteError, format_keys
 
 ALL_ONES = 0xFF  # UE8M0 NaN; float8_e4m3fn NaN once its sign bit is set
 SIGN_BIT = 0x80
@@ -45,6 +49,45 @@ def _may_hold_nonfinite(tensor: torch.Tensor, ue8m0: bool) -> bool:
         wide = torch.float32 if tensor.dtype == torch.float16 else None
         return not bool(torch.isfinite(tensor.sum(dtype=wide)))
     return False
+
+
+def _bad_scale_summary(scale: torch.Tensor) -> torch.Tensor:
+    """float64 ``[bad count, flat index of the first bad scale, its value]`` (no host sync)."""
+    bad = (scale <= 0).reshape(-1)  # NaN and inf are the non-finite check's
+    first = torch.argmax(bad.to(torch.uint8))
+    value = scale.reshape(-1)[first].double()
+    return torch.stack([bad.sum().double(), first.double(), value])
+
+
+def check_block_scales(scale: torch.Tensor, what: str) -> None:
+    """Raise unless every block-FP8 scale is > 0 (reads back: a host sync).
+
+    NaN and infinity are ``count_nonfinite``'s to report (``NonFiniteError``).
+
+    Args:
+        scale: float32 block scales, (rows/128, cols/128) or with leading dimensions.
+        what: the tensor for the message, e.g. ``"expert 3 gate_proj.weight_scale_inv"``.
+
+    Raises:
+        InvalidScaleError: names ``what``, the first bad block and how many are bad.
+    """
+    _raise_bad_scales(what, tuple(scale.shape), _bad_scale_summary(scale).tolist())
+
+
+def _raise_bad_scales(what: str, shape: tuple[int, ...], summary: list[float]) -> None:
+    count, first, value = summary
+    if not count:
+        return
+    block: tuple[int, ...] = ()
+    rest = int(first)
+    for dim in reversed(shape):
+        block = (rest % dim, *block)
+        rest //= dim
+    others = f" ({int(count)} bad blocks in all)" if count > 1 else ""
+    raise InvalidScaleError(
+        f"{what}: block {block} has scale {value!r}{others}; block-FP8 scales must be > 0 "
+        "(0 erases the block, a negative scale flips it): fix the checkpoint tensor"
+    )
 
 
 def count_nonfinite(tensor: torch.Tensor, *, ue8m0: bool = False) -> int:
@@ -84,6 +127,9 @@ class NonFiniteLedger:
         self.defer_cpu = defer_cpu
         self._names: list[tuple[str, bool]] = []  # (name, is a flag) per count element
         self._counts: list[torch.Tensor] = []  # 1-D integers on one device, not read yet
+        # Block-FP8 scales: (name, shape) and the summary of each, not read yet.
+        self._scales: list[tuple[str, tuple[int, ...]]] = []
+        self._scale_summaries: list[torch.Tensor] = []
 
     def record(self, what: str, tensor: torch.Tensor, *, ue8m0: bool = False) -> None:
         """Count the NaN/inf of ``tensor`` (see ``count_nonfinite``); no host sync on a GPU.
@@ -104,6 +150,24 @@ class NonFiniteLedger:
         mask = _nonfinite_mask(tensor, ue8m0)
         if mask is not None:
             self._append(what, mask.sum(dtype=torch.int64).reshape(1), flag=False)
+
+    def record_block_scale(self, what: str, scale: torch.Tensor) -> None:
+        """Check that a block-FP8 scale is > 0 (``record`` checks NaN/inf); no sync on a GPU.
+
+        Args:
+            what: the tensor named for the message.
+            scale: the float32 block scales, on the device they are loaded to.
+
+        Raises:
+            InvalidScaleError: a CPU scale breaks the rule (device ones: at ``check()``).
+        """
+        if scale.device.type == "cpu" and not self.defer_cpu:
+            check_block_scales(scale, f"{self.label}: {what}")
+            return
+        self._scales.append((what, tuple(scale.shape)))
+        self._scale_summaries.append(_bad_scale_summary(scale))
+        if len(self._scale_summaries) > MAX_PENDING_COUNTS:
+            self._scale_summaries = [torch.cat(self._scale_summaries).reshape(-1, 3)]
 
     def record_flag(self, what: str, flag: torch.Tensor) -> None:
         """Keep a conversion's non-finite flag (nonzero: its input held NaN/inf).
@@ -131,7 +195,16 @@ class NonFiniteLedger:
 
         Raises:
             NonFiniteError: names the first bad tensor with its count, then the others.
+            InvalidScaleError: a block-FP8 scale that is zero or negative (first one).
         """
+        if self._scale_summaries:
+            summaries = torch.cat([s.reshape(-1, 3) for s in self._scale_summaries]).tolist()
+            scales = self._scales
+            self._scales, self._scale_summaries = [], []
+            for (what, shape), summary in zip(scales, summaries, strict=True):
+                if summary[0]:
+                    self.clear()
+                    _raise_bad_scales(f"{self.label}: {what}", shape, summary)
         if not self._counts:
             return
         values = torch.cat(self._counts).tolist()
@@ -165,3 +238,4 @@ class NonFiniteLedger:
     def clear(self) -> None:
         """Forget every pending count."""
         self._names, self._counts = [], []
+        self._scales, self._scale_summaries = [], []

@@ -18,6 +18,27 @@ from collections.abc import Mapping
 from typing import Any, Protocol, Self
 
 SWIGLU_ACT = "silu"  # MegaMoE fuses SwiGLU: gate activation silu
+# Upper bounds of the sizes a config may give, checked when the key is read (before any
+# loop or allocation it sizes). Far above every released MoE model: the largest today have
+# hidden 7168 (DeepSeek-V3), expert width 2048, dense width 18432, 512 routed experts
+# (Qwen4-Exp), top-10, 94 layers, 1 MTP layer.
+SIZE_BOUNDS = {
+    "hidden_size": 65536,
+    "moe_intermediate_size": 65536,
+    "shared_expert_intermediate_size": 65536,
+    "intermediate_size": 262144,
+    "num_experts": 16384,
+    "n_routed_experts": 16384,
+    "num_experts_per_tok": 1024,
+    "n_shared_experts": 64,
+    "n_group": 16384,
+    "topk_group": 16384,
+    "num_hidden_layers": 1024,
+    "first_k_dense_replace": 1024,
+    "decoder_sparse_step": 1024,
+    "num_nextn_predict_layers": 64,
+    "mtp_num_hidden_layers": 64,
+}
 TEXT_CONFIG = "text_config"  # sub-config of the text model in composite configs
 QUANTIZATION_CONFIG = "quantization_config"
 
@@ -126,7 +147,7 @@ def int_key(
     default: int | None = None,
     minimum: int = 1,
 ) -> int:
-    """``config[key]`` as an integer ``>= minimum``.
+    """``config[key]`` as an integer ``>= minimum`` and within ``SIZE_BOUNDS`` for its key.
 
     Args:
         config: the parsed ``config.json``.
@@ -139,7 +160,8 @@ def int_key(
         The value.
 
     Raises:
-        ValueError: the key is required and absent, or not an integer ``>= minimum``.
+        ValueError: the key is required and absent, not an integer ``>= minimum``, or
+            above its bound.
     """
     value = config.get(key)
     if value is None:
@@ -149,6 +171,12 @@ def int_key(
     if not is_int(value) or value < minimum:
         raise ValueError(
             f"config.json: {key}={value!r} must be an integer >= {minimum}; fix the config"
+        )
+    bound = SIZE_BOUNDS.get(key)
+    if bound is not None and value > bound:
+        raise ValueError(
+            f"config.json: {key}={value} exceeds {bound}, the largest megamoe accepts (far "
+            "above every released model); the config is damaged: fix it"
         )
     return int(value)
 

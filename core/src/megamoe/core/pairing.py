@@ -21,6 +21,7 @@ SHARD_DOWN = "w2"
 SHARD_IDS = (SHARD_GATE, SHARD_UP, SHARD_DOWN)
 # Checkpoint projection name -> shard id.
 PROJ_TO_SHARD = {"gate_proj": SHARD_GATE, "up_proj": SHARD_UP, "down_proj": SHARD_DOWN}
+SHARD_TO_PROJ = {shard: proj for proj, shard in PROJ_TO_SHARD.items()}
 
 ShardKey = tuple[int | None, str]
 

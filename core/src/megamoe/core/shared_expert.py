@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from megamoe.core import quant
 from megamoe.core.dense_update import DenseUpdate
+from megamoe.core.finiteness import check_block_scales
 from megamoe.core.formats import WeightFormat
 from megamoe.core.pairing import PROJ_TO_SHARD, ShardPairing
 from megamoe.core.swiglu import check_swiglu_limit, swiglu
@@ -97,6 +98,7 @@ class SwiGLUMLP(torch.nn.Module):
         Raises:
             ValueError: an unexpected name, a shape that does not match, or NaN or infinity
                 (after dequantization).
+            InvalidScaleError: a block-FP8 scale that is zero or negative.
         """
         halves, scale_name = self._halves, self.checkpoint_format.scale_name
         written: set[str] = set()
@@ -111,6 +113,8 @@ class SwiGLUMLP(torch.nn.Module):
             if parts is None:
                 continue
             param: torch.nn.Parameter = getattr(self, proj)
+            if self.checkpoint_format is WeightFormat.FP8_BLOCK and scale_name is not None:
+                check_block_scales(parts[scale_name], f"{self.prefix}.{proj}.{scale_name}")
             dense = quant.dequantize(
                 parts["weight"].to(param.device),
                 None if scale_name is None else parts[scale_name].to(param.device),

@@ -7,11 +7,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from megamoe.core.adapters import MLP, ModelAdapter, MoEBlock, MoELayer
+from megamoe.core.adapters import MLP, ModelAdapter, MoEBlock, MoELayer, SharedExpert
 from megamoe.core.formats import WeightFormat
 from megamoe.core.hf_config import MoEConfig
+from megamoe.core.quant_config import detect_expert_format
 from megamoe.glm5next import reference, synthetic
-from megamoe.glm5next.block import Glm5NextMegaMoeBlock
+from megamoe.glm5next.block import SHARED_EXPERTS, Glm5NextMegaMoeBlock
 from megamoe.glm5next.config import ARCHITECTURES, MODEL_TYPES, Glm5NextConfig
 
 
@@ -53,7 +54,16 @@ class Glm5NextAdapter(ModelAdapter):
 
     def expert_prefixes(self, layer: MoELayer) -> tuple[str, ...]:
         """Routed experts, then the shared expert (fused into the kernel as one more)."""
-        return (f"{layer.prefix}.experts", f"{layer.prefix}.shared_experts")
+        return (f"{layer.prefix}.experts", f"{layer.prefix}.{SHARED_EXPERTS}")
+
+    def shared_expert(self, config: Mapping[str, Any], layer: MoELayer) -> SharedExpert | None:
+        """``shared_experts``: one MLP of ``n_shared_experts * moe_intermediate_size``."""
+        cfg = Glm5NextConfig.from_dict(config)
+        if not cfg.n_shared_experts:
+            return None
+        prefix = f"{layer.prefix}.{SHARED_EXPERTS}"
+        fmt = detect_expert_format(cfg.quantization_config, prefix)
+        return SharedExpert(prefix, fmt, cfg.shared_intermediate_size)
 
 
 ADAPTER = Glm5NextAdapter()

@@ -7,11 +7,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from megamoe.core.adapters import ModelAdapter, MoEBlock
+from megamoe.core.adapters import ModelAdapter, MoEBlock, MoELayer, SharedExpert
 from megamoe.core.formats import WeightFormat
 from megamoe.core.hf_config import MoEConfig
+from megamoe.core.quant_config import detect_expert_format
 from megamoe.qwen4exp import reference, synthetic
-from megamoe.qwen4exp.block import Qwen4ExpMegaMoeBlock
+from megamoe.qwen4exp.block import SHARED_EXPERT, Qwen4ExpMegaMoeBlock
 from megamoe.qwen4exp.config import ARCHITECTURES, MODEL_TYPES, MTP_BLOCK_PREFIX, Qwen4ExpConfig
 
 
@@ -41,6 +42,13 @@ class Qwen4ExpAdapter(ModelAdapter):
     def mtp_block_prefix(self, config: MoEConfig, decoder: str, index: int) -> str:
         """``mtp.layers.{index}.mlp``, whatever the decoder prefix."""
         return MTP_BLOCK_PREFIX.format(index)
+
+    def shared_expert(self, config: Mapping[str, Any], layer: MoELayer) -> SharedExpert:
+        """``shared_expert``: one MLP of ``shared_expert_intermediate_size`` (gated apart)."""
+        cfg = Qwen4ExpConfig.from_dict(config)
+        prefix = f"{layer.prefix}.{SHARED_EXPERT}"
+        fmt = detect_expert_format(cfg.quantization_config, prefix)
+        return SharedExpert(prefix, fmt, cfg.shared_expert_intermediate_size)
 
     synthetic_config = staticmethod(synthetic.synthetic_config)
 

@@ -1,0 +1,448 @@
+"""Damaged and hostile checkpoints: one validation for the API, inspect, verify and convert.
+
+Every case damages a small sharded checkpoint one way and checks that opening it
+(``open_checkpoint``: what loading uses) and the three commands refuse it with the same
+exception and message, before any tensor data is read, and that ``convert`` changes
+nothing outside its output (it writes no output at all). The toy adapter (conftest) keeps
+these tests free of the real adapters; the shared-expert, scale and config-bound cases of
+the real models live in the adapters' test suites.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megamoe.core import cli
+from megamoe.core.adapters import SyntheticSizes
+from megamoe.core.checkpoint import INDEX_FILE, open_checkpoint
+from megamoe.core.convert import convert_checkpoint
+from megamoe.core.errors import CheckpointError, NoAdapterError
+from megamoe.core.testing import write_synthetic_checkpoint
+
+SIZES = SyntheticSizes(num_layers=2, hidden_size=256, intermediate_size=256, num_experts=4)
+EXPERTS = "model.layers.1.mlp.experts"
+EXPERT = f"{EXPERTS}.2.down_proj"
+NORM = "model.norm.weight"  # a non-expert tensor, moved to a shard of its own
+NORM_SHARD = "model-norm.safetensors"
+
+
+def _index(ckpt: Path) -> dict:
+    return json.loads((ckpt / INDEX_FILE).read_text())
+
+
+def _write_index(ckpt: Path, index: dict) -> None:
+    (ckpt / INDEX_FILE).write_text(json.dumps(index))
+
+
+def _set_entry(ckpt: Path, name: str, file: object) -> None:
+    index = _index(ckpt)
+    index["weight_map"][name] = file
+    _write_index(ckpt, index)
+
+
+def _shard_of(ckpt: Path, name: str) -> Path:
+    return ckpt / _index(ckpt)["weight_map"][name]
+
+
+def _add_tensor(ckpt: Path, name: str, tensor: torch.Tensor, *, shard: str | None = None) -> None:
+    """Store ``tensor`` in an existing shard (or a new one) and list it in the index."""
+    path = ckpt / (shard or _index(ckpt)["weight_map"][EXPERT + ".weight"])
+    tensors = load_file(path) if path.exists() else {}
+    tensors[name] = tensor
+    save_file(tensors, path)
+    _set_entry(ckpt, name, path.name)
+
+
+def _raw_shard(path: Path, header: object, data: bytes, length: int | None = None) -> None:
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text) if length is None else length) + text + data)
+
+
+def _config(ckpt: Path, **changes: object) -> None:
+    config = json.loads((ckpt / "config.json").read_text())
+    config.update(changes)
+    (ckpt / "config.json").write_text(json.dumps(config))
+
+
+# -- the damage ---------------------------------------------------------------------------
+
+
+def _outside_name(ckpt: Path) -> None:
+    """``../outside.safetensors`` with a same-named decoy inside the directory."""
+    shard = _shard_of(ckpt, EXPERT + ".weight")
+    (ckpt.parent / "outside.safetensors").write_bytes(shard.read_bytes())
+    (ckpt / "outside.safetensors").write_bytes(shard.read_bytes())
+    _set_entry(ckpt, EXPERT + ".weight", "../outside.safetensors")
+
+
+def _absolute_name(ckpt: Path) -> None:
+    outside = ckpt.parent / "victim.safetensors"
+    outside.write_bytes(_shard_of(ckpt, EXPERT + ".weight").read_bytes())
+    _set_entry(ckpt, EXPERT + ".weight", str(outside))
+
+
+def _nested_name(ckpt: Path) -> None:
+    (ckpt / "sub").mkdir()
+    shard = _shard_of(ckpt, EXPERT + ".weight")
+    (ckpt / "sub" / shard.name).write_bytes(shard.read_bytes())
+    _set_entry(ckpt, EXPERT + ".weight", f"sub/{shard.name}")
+
+
+def _non_string_name(ckpt: Path) -> None:
+    _set_entry(ckpt, EXPERT + ".weight", 7)
+
+
+def _link_to_device(ckpt: Path) -> None:
+    os.symlink("/dev/zero", ckpt / "zero.safetensors")
+    _set_entry(ckpt, EXPERT + ".weight", "zero.safetensors")
+
+
+def _norm_in_own_shard(ckpt: Path) -> Path:
+    """Move the final norm into a shard holding no expert tensor; returns that shard."""
+    shard = _shard_of(ckpt, NORM)
+    tensors = load_file(shard)
+    norm = tensors.pop(NORM)
+    save_file(tensors, shard)
+    save_file({NORM: norm}, ckpt / NORM_SHARD)
+    _set_entry(ckpt, NORM, NORM_SHARD)
+    return ckpt / NORM_SHARD
+
+
+def _damage_shard(where: str, damage: Callable[[Path], None]) -> Callable[[Path], None]:
+    def apply(ckpt: Path) -> None:
+        shard = _norm_in_own_shard(ckpt) if where == "non-expert" else None
+        damage(shard or _shard_of(ckpt, EXPERT + ".weight"))
+
+    return apply
+
+
+def _three_bytes(shard: Path) -> None:
+    shard.write_bytes(b"abc")
+
+
+def _huge_header_length(shard: Path) -> None:
+    shard.write_bytes(struct.pack("<Q", 1 << 60) + b"{}")
+
+
+def _json_array(shard: Path) -> None:
+    _raw_shard(shard, [1, 2], b"")
+
+
+def _no_data_offsets(shard: Path) -> None:
+    _raw_shard(shard, {NORM: {"dtype": "BF16", "shape": [256]}}, bytes(512))
+
+
+def _overlapping_offsets(shard: Path) -> None:
+    header = {
+        "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+    }
+    _raw_shard(shard, header, bytes(12))
+
+
+def _range_longer_than_shape(shard: Path) -> None:
+    _raw_shard(
+        shard, {NORM: {"dtype": "BF16", "shape": [256], "data_offsets": [0, 1024]}}, bytes(1024)
+    )
+
+
+def _listed_in_two_shards(ckpt: Path) -> None:
+    other = _shard_of(ckpt, f"{EXPERTS}.0.gate_proj.weight")
+    tensors = load_file(other)
+    tensors[EXPERT + ".weight"] = load_file(_shard_of(ckpt, EXPERT + ".weight"))[EXPERT + ".weight"]
+    save_file(tensors, other)
+
+
+def _duplicate_index_key(ckpt: Path) -> None:
+    text = (ckpt / INDEX_FILE).read_text()
+    name, file = EXPERT + ".weight", _index(ckpt)["weight_map"][EXPERT + ".weight"]
+    entry = f'"{name}": "{file}"'
+    (ckpt / INDEX_FILE).write_text(text.replace(entry, f"{entry}, {entry}", 1))
+
+
+def _unlisted_tensor(ckpt: Path) -> None:
+    index = _index(ckpt)
+    del index["weight_map"][EXPERT + ".weight"]
+    _write_index(ckpt, index)
+
+
+def _absent_tensor(ckpt: Path) -> None:
+    shard = _shard_of(ckpt, EXPERT + ".weight")
+    tensors = load_file(shard)
+    del tensors[EXPERT + ".weight"]
+    save_file(tensors, shard)
+
+
+def _unknown_projection(ckpt: Path) -> None:
+    _add_tensor(ckpt, f"{EXPERTS}.0.foo_proj.weight", torch.zeros(4, 4, dtype=torch.bfloat16))
+
+
+def _expert_beyond_config(ckpt: Path) -> None:
+    _add_tensor(ckpt, f"{EXPERTS}.4.down_proj.weight", torch.zeros(256, 256, dtype=torch.bfloat16))
+
+
+def _leading_zero_expert(ckpt: Path) -> None:
+    _add_tensor(ckpt, f"{EXPERTS}.02.down_proj.weight", torch.zeros(256, 256, dtype=torch.bfloat16))
+
+
+def _fewer_experts_in_config(ckpt: Path) -> None:
+    _config(ckpt, num_experts=2)
+
+
+def _hidden_not_aligned(ckpt: Path) -> None:
+    _config(ckpt, hidden_size=200)
+
+
+def _unknown_model(ckpt: Path) -> None:
+    _config(ckpt, model_type="llama", architectures=["LlamaForCausalLM"])
+
+
+PLAIN_NAME = r"must be the plain name of a file inside the checkpoint directory"
+SAFETENSORS = r"not a readable safetensors file \(Error while deserializing header: "
+CASES: dict[str, tuple[Callable[[Path], None], type[Exception], str]] = {
+    "index name with ..": (
+        _outside_name,
+        CheckpointError,
+        r"'\.\./outside\.safetensors': .*" + PLAIN_NAME,
+    ),
+    "absolute index name": (
+        _absolute_name,
+        CheckpointError,
+        PLAIN_NAME,
+    ),
+    "index name in a subdirectory": (
+        _nested_name,
+        CheckpointError,
+        r"'sub/.*" + PLAIN_NAME,
+    ),
+    "index name not a string": (
+        _non_string_name,
+        CheckpointError,
+        r"is int 7; a shard file name",
+    ),
+    "shard linked to a device": (
+        _link_to_device,
+        CheckpointError,
+        r"zero\.safetensors: shard file is not a regular file",
+    ),
+    "expert shard of 3 bytes": (
+        _damage_shard("expert", _three_bytes),
+        CheckpointError,
+        SAFETENSORS + "header too small",
+    ),
+    "non-expert shard of 3 bytes": (
+        _damage_shard("non-expert", _three_bytes),
+        CheckpointError,
+        NORM_SHARD + ": " + SAFETENSORS + "header too small",
+    ),
+    "header length 2^60": (
+        _damage_shard("non-expert", _huge_header_length),
+        CheckpointError,
+        SAFETENSORS + "header too large",
+    ),
+    "expert header length 2^60": (
+        _damage_shard("expert", _huge_header_length),
+        CheckpointError,
+        SAFETENSORS + "header too large",
+    ),
+    "header a JSON array": (
+        _damage_shard("non-expert", _json_array),
+        CheckpointError,
+        SAFETENSORS + "invalid JSON in header",
+    ),
+    "entry without data_offsets": (
+        _damage_shard("non-expert", _no_data_offsets),
+        CheckpointError,
+        SAFETENSORS + r".*missing field `data_offsets`",
+    ),
+    "overlapping offsets": (
+        _damage_shard("non-expert", _overlapping_offsets),
+        CheckpointError,
+        SAFETENSORS + "invalid offset",
+    ),
+    "expert overlapping offsets": (
+        _damage_shard("expert", _overlapping_offsets),
+        CheckpointError,
+        SAFETENSORS + "invalid offset",
+    ),
+    "range longer than dtype x shape": (
+        _damage_shard("non-expert", _range_longer_than_shape),
+        CheckpointError,
+        SAFETENSORS + "invalid shape, data type, or offset",
+    ),
+    "tensor in two shards": (
+        _listed_in_two_shards,
+        CheckpointError,
+        r"tensor '.*2\.down_proj\.weight' is stored in two shards",
+    ),
+    "tensor listed twice in the index": (
+        _duplicate_index_key,
+        CheckpointError,
+        r"not a valid index \(key '.*2\.down_proj\.weight' appears twice",
+    ),
+    "tensor of a shard not in the index": (
+        _unlisted_tensor,
+        CheckpointError,
+        r"1 tensor\(s\) of the shards are not listed in model\.safetensors\.index\.json",
+    ),
+    "indexed tensor absent from its shard": (
+        _absent_tensor,
+        CheckpointError,
+        r"'.*2\.down_proj\.weight' is named in model\.safetensors\.index\.json but absent",
+    ),
+    "unknown expert projection": (
+        _unknown_projection,
+        CheckpointError,
+        r"'.*experts\.0\.foo_proj\.weight' is not a tensor of bf16 routed experts",
+    ),
+    "expert id beyond num_experts": (
+        _expert_beyond_config,
+        CheckpointError,
+        r"is of expert 4, but config\.json gives 4 routed experts",
+    ),
+    "expert id with a leading zero": (
+        _leading_zero_expert,
+        CheckpointError,
+        r"experts\.02\.down_proj\.weight' is not a tensor of bf16",
+    ),
+    "config with fewer experts than the checkpoint": (
+        _fewer_experts_in_config,
+        CheckpointError,
+        r"is of expert 2, but config\.json gives 2 routed experts",
+    ),
+    "hidden_size not a multiple of 128": (
+        _hidden_not_aligned,
+        CheckpointError,
+        r"config\.json: expert hidden_size=200 must be a positive multiple of 128",
+    ),
+    "no adapter for the model": (
+        _unknown_model,
+        NoAdapterError,
+        r"config\.json: no installed megamoe adapter handles model_type='llama'",
+    ),
+}
+
+
+def _tree(root: Path, skip: Path) -> dict[str, str]:
+    """Every entry under ``root`` but ``skip``: file content hashes, link targets, dirs."""
+    found = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in sorted(dirnames + filenames):
+            path = Path(dirpath) / name
+            if path == skip or skip in path.parents:
+                continue
+            rel = str(path.relative_to(root))
+            if path.is_symlink():
+                found[rel] = "-> " + os.readlink(path)
+            elif path.is_file():
+                found[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+            else:
+                found[rel] = "dir" if path.is_dir() else "other"
+    return found
+
+
+@pytest.fixture
+def damaged(request: pytest.FixtureRequest, tmp_path: Path, toy_adapter) -> tuple[Path, str]:
+    case = request.param
+    ckpt = write_synthetic_checkpoint(
+        tmp_path / "ckpt", "toymoe", "bf16", SIZES, max_shard_bytes=300_000
+    )
+    CASES[case][0](ckpt)
+    return ckpt, case
+
+
+@pytest.mark.parametrize("damaged", list(CASES), indirect=True)
+def test_the_api_refuses_it_before_reading_data(damaged: tuple[Path, str]) -> None:
+    ckpt, case = damaged
+    _, error, message = CASES[case]
+    with pytest.raises(error, match=message):
+        open_checkpoint(ckpt)
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+@pytest.mark.parametrize("damaged", list(CASES), indirect=True)
+def test_inspect_and_verify_refuse_it_with_the_same_message(
+    damaged: tuple[Path, str], command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt, case = damaged
+    assert cli.main([command, str(ckpt)]) == cli.EXIT_FAIL
+    err = capsys.readouterr().err
+    assert err.startswith(f"megamoe {command}: error: ")
+    assert len(err.strip().splitlines()) == 1
+    assert _search(CASES[case][2], err), err
+
+
+@pytest.mark.parametrize("damaged", list(CASES), indirect=True)
+def test_convert_refuses_it_and_changes_nothing(
+    damaged: tuple[Path, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt, case = damaged
+    _, error, message = CASES[case]
+    root, out = ckpt.parent, ckpt.parent / "out"
+    before = _tree(root, out)
+    with pytest.raises(error, match=message):
+        convert_checkpoint(ckpt, out, "mxfp8", progress=False)
+    code = cli.main(["convert", str(ckpt), str(out), "--to", "mxfp8", "--no-progress"])
+    assert code == cli.EXIT_FAIL
+    assert _search(message, capsys.readouterr().err)
+    assert _tree(root, out) == before
+    assert not out.exists()
+    assert not list(root.glob("out.partial-*"))
+
+
+def _search(pattern: str, text: str) -> bool:
+    import re
+
+    return re.search(pattern, " ".join(text.split())) is not None
+
+
+def test_a_symlinked_shard_is_read_through_its_link(tmp_path: Path, toy_adapter) -> None:
+    """Hugging Face's cache links snapshot files to blobs outside the snapshot directory."""
+    ckpt = write_synthetic_checkpoint(
+        tmp_path / "snapshot", "toymoe", "bf16", SIZES, max_shard_bytes=300_000
+    )
+    shard = _shard_of(ckpt, EXPERT + ".weight")
+    blob = tmp_path / "blobs" / "0123abcd"
+    blob.parent.mkdir()
+    shard.rename(blob)
+    os.symlink(os.path.relpath(blob, ckpt), shard)
+    reader, _ = open_checkpoint(ckpt)
+    want = load_file(blob)[EXPERT + ".weight"]
+    assert torch.equal(reader.get_tensor(EXPERT + ".weight"), want)
+
+
+def test_reads_use_the_validated_file_not_a_decoy(tmp_path: Path, toy_adapter) -> None:
+    """Headers and data come from one resolved file: replacing the link's target between
+    opening and reading cannot make the reader mix a checked header with other data."""
+    ckpt = write_synthetic_checkpoint(
+        tmp_path / "ckpt", "toymoe", "bf16", SIZES, max_shard_bytes=300_000
+    )
+    shard = _shard_of(ckpt, EXPERT + ".weight")
+    real = tmp_path / "real.safetensors"
+    shard.rename(real)
+    os.symlink(real, shard)
+    reader, _ = open_checkpoint(ckpt)
+    want = load_file(real)[EXPERT + ".weight"]
+    decoy = {k: torch.full_like(v, 7) for k, v in load_file(real).items()}
+    shard.unlink()
+    save_file(decoy, shard)  # the name now holds other data; the reader keeps its file
+    assert torch.equal(reader.get_tensor(EXPERT + ".weight"), want)
+
+
+def test_the_no_adapter_error_is_a_lookup_error_too(tmp_path: Path, toy_adapter) -> None:
+    ckpt = write_synthetic_checkpoint(tmp_path / "ckpt", "toymoe", "bf16", SIZES)
+    _unknown_model(ckpt)
+    with pytest.raises(LookupError):
+        open_checkpoint(ckpt)
+    with pytest.raises(CheckpointError):
+        open_checkpoint(ckpt)
