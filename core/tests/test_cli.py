@@ -79,7 +79,7 @@ def test_inspect_on_the_reference_target_converts_nothing(
 def test_errors_are_one_line_with_exit_1(
     checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert cli.main(["inspect", str(checkpoint), "--ep-size", "3"]) == 1
+    assert cli.main(["inspect", str(checkpoint), "--ep-size", "3"]) == cli.EXIT_USAGE
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert err.startswith(
@@ -137,23 +137,69 @@ def test_convert_writes_and_reports(
 def test_verify_reports_adapter_errors_as_one_line(
     checkpoint: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert cli.main(["verify", str(checkpoint), "--layers", "7"]) == 1
+    assert cli.main(["verify", str(checkpoint), "--layers", "7"]) == cli.EXIT_USAGE
     assert "no MoE layer 7; the checkpoint's MoE layers are 0, 1" in capsys.readouterr().err
     assert cli.main(["verify", str(checkpoint), "--layers", "1", "--device", "cpu"]) == 1
     assert "the toy adapter has no MoE block" in capsys.readouterr().err
 
 
-def test_bench_runs_scripts_with_their_arguments(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+def test_bench_runs_only_the_scripts_shipped_with_megamoe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    (tmp_path / "bench_requant.py").write_text("import sys\nprint('requant', sys.argv[1:])\n")
-    (tmp_path / "bench_load.py").write_text("raise SystemExit(3)\n")
-    code = cli.main(["bench", "--scripts", str(tmp_path), "--", "--quick"])
-    out = capfd.readouterr().out
-    assert "requant ['--quick']" in out
-    assert code == 1  # bench_load.py failed
-    assert cli.main(["bench", "--scripts", str(tmp_path / "none")]) == 1
-    assert "none of bench_requant.py" in capfd.readouterr().err
+    planted = tmp_path / "cwd" / "benchmarks"
+    planted.mkdir(parents=True)
+    marker = tmp_path / "ran"
+    (planted / "bench_requant.py").write_text(f"open({str(marker)!r}, 'w')\n")
+    monkeypatch.chdir(tmp_path / "cwd")
+    shipped = cli.shipped_bench_scripts()
+    assert [p.name for p in shipped] == list(cli.BENCH_SCRIPTS)  # this source checkout's
+    assert all(p.parent == cli.SOURCE_ROOT / "benchmarks" for p in shipped)
+    # Run them from a fake checkout: the scripts get their arguments, failures count.
+    fake = tmp_path / "checkout"
+    (fake / "core").mkdir(parents=True)
+    (fake / "core" / "pyproject.toml").write_text("")
+    (fake / "benchmarks").mkdir()
+    (fake / "benchmarks" / "bench_requant.py").write_text(
+        "import sys\nprint('requant', sys.argv[1:])\n"
+    )
+    (fake / "benchmarks" / "bench_load.py").write_text("raise SystemExit(3)\n")
+    monkeypatch.setattr(cli, "SOURCE_ROOT", fake)
+    assert cli.main(["bench", "--", "--quick"]) == 1  # bench_load.py failed
+    assert "requant ['--quick']" in capfd.readouterr().out
+    assert not marker.exists()  # the current directory's script never ran
+    monkeypatch.setattr(cli, "SOURCE_ROOT", tmp_path / "site-packages")  # an installed wheel
+    assert cli.shipped_bench_scripts() == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["inspect", "CKPT", "--ep-size", "0"], "argument --ep-size: '0' is not an integer >= 1"),
+        (["verify", "CKPT", "--tokens", "x"], "argument --tokens: 'x' is not an integer >= 1"),
+        (["verify", "CKPT", "--device", "tpu"], "'tpu' is not one of cpu, cuda, cuda:N"),
+        (["verify", "CKPT", "--tolerance", "-1"], "'-1' is not a number > 0"),
+        (["verify", "CKPT", "--layers", "foo"], "--layers foo: no MoE layer foo"),
+        (["inspect", "CKPT", "--ep-size", "3"], "--ep-size 3 does not divide the 4 routed"),
+    ],
+)
+def test_usage_mistakes_exit_2(
+    checkpoint: Path, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [str(checkpoint) if a == "CKPT" else a for a in argv]
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit_info:  # argparse's own refusal
+        code = exit_info.code
+    assert code == cli.EXIT_USAGE
+    assert message in capsys.readouterr().err
+
+
+def test_a_cuda_device_this_machine_lacks_is_a_usage_mistake(
+    checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert cli.main(["verify", str(checkpoint), "--device", f"cuda:{count}"]) == cli.EXIT_USAGE
+    assert f"this machine has {count} CUDA device(s); use --device cpu" in capsys.readouterr().err
 
 
 def test_builtin_requantize_bench_measures_against_a_copy() -> None:

@@ -32,6 +32,14 @@ def test_defaults_and_values() -> None:
     assert [config.is_moe_layer(i) for i in range(4)] == [True] * 4
 
 
+@pytest.mark.parametrize(
+    ("key", "value"), [("num_experts", 10**9), ("num_hidden_layers", 10**9), ("hidden_size", 2**31)]
+)
+def test_sizes_beyond_their_bounds_are_refused(key: str, value: int) -> None:
+    with pytest.raises(ValueError, match=rf"config\.json: {key}={value} exceeds \d+, the largest"):
+        Qwen4ExpConfig.from_dict({**BASE, key: value})
+
+
 def test_missing_keys_take_transformers_defaults() -> None:
     qwen4 = Qwen4ExpConfig.from_dict({"model_type": "qwen4_exp_text"})
     assert (qwen4.hidden_size, qwen4.num_hidden_layers, qwen4.num_experts) == (2048, 40, 512)

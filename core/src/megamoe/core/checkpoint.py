@@ -29,7 +29,7 @@ import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors import safe_open
@@ -42,7 +42,7 @@ from megamoe.core.checkpoint_files import (
     SINGLE_FILE,
     CheckpointFiles,
 )
-from megamoe.core.errors import CheckpointError, format_keys
+from megamoe.core.errors import CheckpointError, UnsupportedCheckpointError, format_keys
 from megamoe.core.expert_layout import check_kernel_dims
 from megamoe.core.expert_names import (
     EXPERT_PROJS,
@@ -69,6 +69,7 @@ __all__ = [
     "read_config",
 ]
 MAX_CONFIG_BYTES = 16 << 20  # a real config.json is a few KB
+_T = TypeVar("_T")
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -88,9 +89,11 @@ def read_config(path: str | Path) -> dict[str, Any]:
             f"{config_path}: larger than {MAX_CONFIG_BYTES} bytes; not a model config"
         )
     try:
-        config = json.loads(config_path.read_text())
+        config = json.loads(config_path.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{config_path}: not valid JSON ({err})") from None
+    except OSError as err:
+        raise CheckpointError(f"{config_path}: cannot be read ({err.strerror})") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
     return config
@@ -115,10 +118,11 @@ class CheckpointReader:
         layers: the adapter's MoE layers (empty without an adapter).
 
     Raises:
-        CheckpointError: a missing, unsafe or unreadable config, index or shard file, files
-            that disagree, or expert tensors that do not match the config.
-        ValueError: an invalid or out-of-bounds config key (named).
-        NotImplementedError: the adapter refuses the quantization method of a layer.
+        CheckpointError: a missing, unsafe or unreadable config, index or shard file, an
+            invalid or out-of-bounds config key, files that disagree, or expert tensors
+            that do not match the config.
+        UnsupportedCheckpointError: a setting megamoe cannot run, e.g. a layer's
+            quantization method (a ``CheckpointError`` and a ``NotImplementedError``).
     """
 
     def __init__(self, path: str | Path, adapter: ModelAdapter | None = None) -> None:
@@ -126,7 +130,7 @@ class CheckpointReader:
         self.config = read_config(self.path)
         self.adapter = adapter
         if adapter is not None:  # bounded sizes before any loop they drive
-            _, hidden, inter = adapter.expert_dims(self.config)
+            _, hidden, inter = self._config_checked(adapter.expert_dims)
             try:
                 check_kernel_dims(hidden, inter)
             except ValueError as err:
@@ -136,7 +140,9 @@ class CheckpointReader:
         self.files = CheckpointFiles(self.path)
         self.weight_map = self.files.weight_map
         self.layers: list[MoELayer] = (
-            [] if adapter is None else adapter.moe_layers(self.config, self.weight_map.keys())
+            []
+            if adapter is None
+            else self._config_checked(adapter.moe_layers, self.weight_map.keys())
         )
         self._expert_layers = {
             prefix: layer
@@ -146,6 +152,21 @@ class CheckpointReader:
         self._groups = self._group_names()
         for layer in self.layers:
             self.check_layer(layer)
+
+    def _config_checked(self, read: Callable[..., _T], *args: Any) -> _T:
+        """``read(config, *args)``, its config errors as ``CheckpointError`` naming the file.
+
+        An invalid key (``ValueError``) becomes a ``CheckpointError``, a setting megamoe
+        cannot run (``NotImplementedError``) an ``UnsupportedCheckpointError`` (both).
+        """
+        try:
+            return read(self.config, *args)
+        except CheckpointError:
+            raise
+        except (ValueError, NotImplementedError) as err:
+            kind = CheckpointError if isinstance(err, ValueError) else UnsupportedCheckpointError
+            message = str(err).removeprefix(f"{CONFIG_FILE}: ")
+            raise kind(f"{self.path / CONFIG_FILE}: {message}") from None
 
     def _group_names(self) -> dict[str, list[str]]:
         """Names under each expert prefix (routed and shared), relative to it, in one pass."""
@@ -495,8 +516,8 @@ def open_checkpoint(path: str | Path) -> tuple[CheckpointReader, ModelAdapter]:
         NoAdapterError: no installed adapter claims the model (a ``CheckpointError`` and a
             ``LookupError``); the message lists the installed adapters and the pip command
             for the others.
-        ValueError: an invalid or out-of-bounds config key.
-        NotImplementedError: a layer's quantization method megamoe cannot load.
+        UnsupportedCheckpointError: a setting megamoe cannot run (also a
+            ``NotImplementedError``).
     """
     adapter = adapter_for(read_config(path), str(Path(path) / CONFIG_FILE))
     return CheckpointReader(path, adapter), adapter

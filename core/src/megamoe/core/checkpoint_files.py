@@ -119,6 +119,8 @@ class CheckpointFiles:
             data = json.loads(index.read_bytes(), object_pairs_hook=_refuse_duplicates)
         except (json.JSONDecodeError, UnicodeDecodeError, CheckpointError) as err:
             raise CheckpointError(f"{index}: not a valid index ({err}); {REDOWNLOAD}") from None
+        except OSError as err:
+            raise CheckpointError(f"{index}: cannot be read ({err.strerror})") from None
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict):
             raise CheckpointError(

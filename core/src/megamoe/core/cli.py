@@ -1,7 +1,8 @@
 """The ``megamoe`` command: demo, inspect, convert, verify, bench (SPEC §3.7).
 
 Errors print as one line, ``megamoe <command>: error: <message>``, with exit code 1 (2 for
-bad usage, 130 when interrupted); ``--debug`` shows the traceback instead.
+bad usage: an option's value the command cannot use; 130 when interrupted); ``--debug``
+shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -13,18 +14,75 @@ import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from megamoe.core.adapters import MoELayer
+from megamoe.core.errors import UsageError
 from megamoe.core.formats import ARCHES, WeightFormat
+
+if TYPE_CHECKING:
+    import torch
 
 EXIT_OK = 0
 EXIT_FAIL = 1  # an error, or a forward beyond tolerance
+EXIT_USAGE = 2  # an option the command cannot use (argparse's code too)
 EXIT_INTERRUPTED = 130
 TARGETS = ("mxfp8", "mxfp4", "fp8_block")
 FORMATS = tuple(f.value for f in WeightFormat)
 BENCH_SCRIPTS = ("bench_requant.py", "bench_forward.py", "bench_load.py")
 BENCH_PARTS = ("requant", "forward", "convert")
+# This file in a source checkout: <root>/core/src/megamoe/core/cli.py.
+SOURCE_ROOT = Path(__file__).resolve().parents[4]
+DEVICE_HELP = "cpu or cuda[:N] (default: cuda if available)"
+
+
+def _positive_int(text: str) -> int:
+    """Argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    """Argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number > 0")
+    return value
+
+
+def _device_name(text: str) -> str:
+    """Argparse type: ``cpu``, ``cuda`` or ``cuda:N``."""
+    kind, _, index = text.partition(":")
+    if (kind == "cpu" and not index) or (kind == "cuda" and (not index or index.isdigit())):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not one of cpu, cuda, cuda:N")
+
+
+def _device(name: str | None) -> torch.device:
+    """The device ``--device`` names (None: cuda if available), checked to exist here."""
+    import torch
+
+    from megamoe.core.demo import default_device
+
+    if name is None:
+        return default_device()
+    device = torch.device(name)
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise UsageError(
+                f"--device {name}: this machine has {count} CUDA device(s); use --device cpu"
+                + (f" or cuda:0..{count - 1}" if count else "")
+            )
+    return device
 
 
 def _out(text: str = "", stream: TextIO | None = None) -> None:
@@ -36,7 +94,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     _out("megamoe demo: synthetic checkpoint -> load -> forward -> float64 reference")
     rows = run_demo(
-        device=args.device, backend=args.backend, adapters=args.adapter, formats=args.format
+        device=_device(args.device),
+        backend=args.backend,
+        adapters=args.adapter,
+        formats=args.format,
     )
     _out(format_table([row.cells() for row in rows]))
     for row in rows:
@@ -72,7 +133,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         f"{experts // plan.ep_size} experts per rank"
     )
     _out(
-        "headers     every routed-expert tensor present with the dtype and shape config.json gives"
+        "checked     names, headers, index and every expert tensor (routed, shared, MTP) vs "
+        "config.json"
     )
     _out()
     headers = ("layer", "prefix", "stored", "runs as", "conversion", "kernel bytes/rank")
@@ -118,7 +180,7 @@ def _select_layers(layers: Sequence[MoELayer], spec: str | None) -> list[MoELaye
     unknown = wanted - {_layer_label(layer) for layer in layers}
     if unknown:
         known = dict.fromkeys(_layer_label(layer) for layer in layers)
-        raise ValueError(
+        raise UsageError(
             f"--layers {spec}: no MoE layer {', '.join(sorted(unknown))}; the checkpoint's "
             f"MoE layers are {', '.join(known)}"
         )
@@ -126,16 +188,14 @@ def _select_layers(layers: Sequence[MoELayer], spec: str | None) -> list[MoELaye
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    import torch
-
     from megamoe.core.checkpoint import open_checkpoint
-    from megamoe.core.demo import default_device, format_table
+    from megamoe.core.demo import format_table
     from megamoe.core.parallel import ParallelSettings, single_rank_group
     from megamoe.core.verify import verify_layer
 
     reader, adapter = open_checkpoint(args.checkpoint)
     layers = _select_layers(reader.layers, args.layers)
-    device = default_device() if args.device is None else torch.device(args.device)
+    device = _device(args.device)
     parallel = ParallelSettings(ep_group=single_rank_group(device))
     rows, failed = [], 0
     for layer in layers:
@@ -184,17 +244,20 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_FAIL if failed else EXIT_OK
 
 
-def _bench_scripts(directory: Path) -> list[Path]:
+def shipped_bench_scripts() -> list[Path]:
+    """The ``benchmarks/bench_*.py`` scripts of the source checkout megamoe runs from.
+
+    Only megamoe's own: found beside this package's sources (``SOURCE_ROOT``), never in
+    the current directory; none for an installed wheel (the built-in benchmarks run then).
+    """
+    if not (SOURCE_ROOT / "core" / "pyproject.toml").is_file():
+        return []
+    directory = SOURCE_ROOT / "benchmarks"
     return [directory / name for name in BENCH_SCRIPTS if (directory / name).is_file()]
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    scripts_dir = Path(args.scripts) if args.scripts else Path("benchmarks")
-    scripts = [] if args.builtin else _bench_scripts(scripts_dir)
-    if args.scripts and not scripts:
-        raise FileNotFoundError(
-            f"--scripts {args.scripts}: none of {', '.join(BENCH_SCRIPTS)} there"
-        )
+    scripts = [] if args.builtin else shipped_bench_scripts()
     if scripts:
         code = EXIT_OK
         for script in scripts:
@@ -202,12 +265,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             done = subprocess.run([sys.executable, str(script), *args.script_args], check=False)
             code = code or (EXIT_FAIL if done.returncode else EXIT_OK)
         return code
-    import torch
-
     from megamoe.core import bench
-    from megamoe.core.demo import default_device, format_table
+    from megamoe.core.demo import format_table
 
-    device = default_device() if args.device is None else torch.device(args.device)
+    device = _device(args.device)
     parts = set(args.only.split(",")) if args.only else set(BENCH_PARTS)
     results = []
     bandwidth = bench.copy_bandwidth(device, args.repeats)
@@ -258,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
         "load it, run a forward on the best backend and compare with the float64 reference. "
         "Exits 1 on any mismatch.",
     )
-    demo.add_argument("--device", help="cpu or cuda[:N] (default: cuda if available)")
+    demo.add_argument("--device", type=_device_name, help=DEVICE_HELP)
     demo.add_argument("--backend", default="auto", choices=("auto", "reference", "deepgemm"))
     demo.add_argument("--adapter", action="append", help="only this adapter (repeatable)")
     demo.add_argument(
@@ -277,7 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
         "to what on the target, and kernel-weight bytes per rank. Reads headers only.",
     )
     inspect.add_argument("checkpoint", help="Hugging Face checkpoint directory")
-    inspect.add_argument("--ep-size", type=int, default=1, help="expert-parallel ranks (default 1)")
+    inspect.add_argument(
+        "--ep-size", type=_positive_int, default=1, help="expert-parallel ranks (default 1)"
+    )
     inspect.add_argument("--arch", choices=ARCHES, help="target (default: this machine)")
     inspect.add_argument("--moe-format", choices=FORMATS, help="force a run format")
     inspect.set_defaults(func=_cmd_inspect)
@@ -307,11 +370,13 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--layers", help="comma-separated layer indices and/or 'mtp' (default all)")
     verify.add_argument("--moe-format", choices=FORMATS, help="force a run format")
     verify.add_argument("--backend", default="auto", choices=("auto", "reference", "deepgemm"))
-    verify.add_argument("--device", help="cpu or cuda[:N] (default: cuda if available)")
-    verify.add_argument("--tokens", type=int, default=32, help="tokens per forward (default 32)")
+    verify.add_argument("--device", type=_device_name, help=DEVICE_HELP)
+    verify.add_argument(
+        "--tokens", type=_positive_int, default=32, help="tokens per forward (default 32)"
+    )
     verify.add_argument("--seed", type=int, default=0, help="seed of the random tokens")
     verify.add_argument(
-        "--tolerance", type=float, help="accepted max rel. error (default per format)"
+        "--tolerance", type=_positive_float, help="accepted max rel. error (default per format)"
     )
     verify.set_defaults(func=_cmd_verify)
 
@@ -319,16 +384,17 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         parents=[common],
         help="throughput beside its ceiling",
-        description="Runs benchmarks/bench_{requant,forward,load}.py when present (a source "
-        "checkout), else the built-in benchmarks: requantization, one layer's forward per "
-        "backend and convert, each beside the memory-bandwidth ceiling measured in the same "
-        "run.",
+        description="Runs megamoe's own benchmarks/bench_{requant,forward,load}.py when "
+        "megamoe runs from its source checkout (never scripts of the current directory), "
+        "else the built-in benchmarks: requantization, one layer's forward per backend and "
+        "convert, each beside the memory-bandwidth ceiling measured in the same run.",
     )
     bench.add_argument("--builtin", action="store_true", help="built-in benchmarks only")
-    bench.add_argument("--scripts", help="directory of bench_*.py scripts (default: ./benchmarks)")
     bench.add_argument("--only", help=f"built-in parts, comma-separated: {','.join(BENCH_PARTS)}")
-    bench.add_argument("--device", help="cpu or cuda[:N] (default: cuda if available)")
-    bench.add_argument("--repeats", type=int, default=5, help="timed runs per measurement")
+    bench.add_argument("--device", type=_device_name, help=DEVICE_HELP)
+    bench.add_argument(
+        "--repeats", type=_positive_int, default=5, help="timed runs per measurement"
+    )
     bench.add_argument("script_args", nargs="*", help="arguments for the scripts (after --)")
     bench.set_defaults(func=_cmd_bench)
     return parser
@@ -377,7 +443,7 @@ def _run(args: argparse.Namespace) -> int:
             raise
         message = " ".join(str(err).split()) or type(err).__name__
         _out(f"megamoe {args.command}: error: {message}", sys.stderr)
-        return EXIT_FAIL
+        return EXIT_USAGE if isinstance(err, UsageError) else EXIT_FAIL
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Offline conversion of a checkpoint's routed experts to a kernel format (SPEC §3.7, §5).
+"""Offline conversion of a checkpoint's routed experts to a kernel format.
 
 ``convert_checkpoint`` writes a checkpoint whose routed experts are stored in the target
 format, requantized by ``quant.requantize`` — the function the online load path uses — so
@@ -7,7 +7,10 @@ with online requantization. Every other tensor is copied byte for byte; tensor n
 the assignment of tensors to shard files stay the same (fused BF16 experts become
 per-expert tensors in the same shard). Work streams one projection at a time with plain
 reads and positioned writes, so memory stays near one projection whatever the checkpoint
-size. Output goes to ``OUT.partial-<pid>`` and is renamed to ``OUT`` only once complete.
+size. The source is validated as every command validates it (``open_checkpoint``) before
+anything is written, and tensors are copied from its validated headers. Output goes to
+``OUT.partial-<pid>`` and is renamed to ``OUT`` only once complete; how that directory is
+written, and which other files are copied, is ``megamoe.core.convert_output``.
 """
 
 from __future__ import annotations
@@ -32,26 +35,34 @@ from megamoe.core.checkpoint import (
     CheckpointReader,
     open_checkpoint,
 )
-from megamoe.core.errors import CheckpointError
+from megamoe.core.convert_output import (
+    ACTIVE_PARTIALS,
+    copy_other_files,
+    partial_path,
+    plain_name,
+    remove_stale_partials,
+    write_new,
+)
 from megamoe.core.expert_names import (
     EXPERT_PROJS,
     FUSED_DOWN,
     FUSED_GATE_UP,
     WEIGHT,
-    WEIGHT_PACKED,
     TensorSpec,
     parse_expert_name,
     parse_single_name,
     projection_shape,
     projection_specs,
-    stored_format,
     weight_kinds,
 )
+from megamoe.core.finiteness import check_block_scales
 from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
 from megamoe.core.hf_config import quantization_config
-from megamoe.core.shardfile import ShardWriter, TensorEntry, read_header, read_tensor
-
-PARTIAL_MARK = ".partial-"  # OUT.partial-<pid> while a conversion is in progress
+from megamoe.core.shardfile import (
+    ShardWriter,
+    TensorEntry,
+    read_tensor,
+)
 
 
 @dataclass(frozen=True)
@@ -114,6 +125,8 @@ class _Plan:
     files: dict[str, dict[str, tuple[tuple[int, int], TensorSpec]]]
     copies: list[tuple[str, str]] = field(default_factory=list)
     layers: list[tuple[MoELayer, list[_Projection]]] = field(default_factory=list)
+    # Block-FP8 expert scales copied unchanged: checked (> 0) while they are copied.
+    checked_scales: set[str] = field(default_factory=set)
 
 
 def convert_checkpoint(
@@ -121,9 +134,18 @@ def convert_checkpoint(
 ) -> ConvertResult:
     """Write a copy of checkpoint ``src`` at ``out`` with its routed experts in format ``to``.
 
+    Everything is written inside ``OUT.partial-<pid>`` (created with ``mkdir`` next to
+    ``out``), each file created new with ``O_EXCL | O_NOFOLLOW`` under a single plain file
+    name, and the directory is renamed to ``out`` only once complete; on any error it is
+    removed. A partial directory left by a convert whose process is gone is removed first,
+    with a warning naming it. Besides the converted shards, the index and ``config.json``,
+    the source's other regular files are copied by content (symlinks followed; one whose
+    target lies outside the checkpoint directory with a warning); weight files the index
+    does not name, directories, FIFOs and devices are left out with a warning naming them.
+
     Args:
         src: the source checkpoint directory.
-        out: the directory to create; it must not exist.
+        out: the directory to create; it must not exist, its parent must.
         to: MXFP8, MXFP4 or FP8_BLOCK.
         progress: show a progress bar (bytes) on stderr.
 
@@ -131,8 +153,13 @@ def convert_checkpoint(
         Sizes and timing of the conversion.
 
     Raises:
-        FileExistsError: ``out`` exists.
-        ValueError: ``to`` is not a conversion target.
+        FileExistsError: ``out`` exists, or another convert (a running process) is writing
+            it, or a file appeared at a name convert was about to create.
+        FileNotFoundError: the parent directory of ``out`` does not exist.
+        OSError: reading or writing failed (no space, permissions, ...); the message names
+            the file.
+        ValueError: ``to`` is not a conversion target, or a shard file name is not a plain
+            file name.
         CheckpointError: the source is incomplete or inconsistent (checked from the headers
             of every expert tensor before anything is written).
         LookupError: no installed adapter handles the model.
@@ -144,23 +171,40 @@ def convert_checkpoint(
         targets = ", ".join(f.value for f in quant.TARGET_FORMATS)
         raise ValueError(f"--to {dst.value}: convert writes one of {targets}")
     out = Path(out)
-    if out.exists():
+    if os.path.lexists(out):
         raise FileExistsError(f"{out} already exists; remove it or choose another output path")
+    if not out.parent.is_dir():
+        raise FileNotFoundError(
+            f"{out.parent}: the output's parent directory does not exist; create it "
+            f"(mkdir -p {out.parent}) or choose another output path"
+        )
+    remove_stale_partials(out)
     start = time.perf_counter()
     reader, adapter = open_checkpoint(src)
     config = adapter.converted_config(reader.config, dst, reader.layers)
-    for layer in reader.layers:
-        reader.check_layer(layer)
     plan = _plan(reader, dst)
-    partial = out.with_name(f"{out.name}{PARTIAL_MARK}{os.getpid()}")
-    partial.mkdir(parents=True)
+    for file in plan.files:
+        plain_name(file, reader.path)
+    partial = partial_path(out, os.getpid())
+    try:
+        partial.mkdir()
+    except FileExistsError:
+        raise FileExistsError(
+            f"{partial} appeared after convert started (nothing was written through it); "
+            "remove it and run convert again"
+        ) from None
+    ACTIVE_PARTIALS.add(os.path.abspath(partial))
     try:
         source_bytes, converted = _write(reader, plan, dst, partial, progress)
         written = _finish(reader, plan, config, partial)
+        if os.path.lexists(out):  # rename would replace an empty directory made meanwhile
+            raise FileExistsError(f"{out} appeared while converting; the result was discarded")
         partial.rename(out)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
+    finally:
+        ACTIVE_PARTIALS.discard(os.path.abspath(partial))
     return ConvertResult(
         out, dst, source_bytes, written, converted, len(plan.copies), time.perf_counter() - start
     )
@@ -177,7 +221,7 @@ def _plan(reader: CheckpointReader, dst: WeightFormat) -> _Plan:
     adapter = reader.adapter
     if adapter is None:
         raise ValueError("convert needs a reader opened with an adapter")
-    headers = {f: read_header(reader.path / f) for f in sorted(set(reader.weight_map.values()))}
+    headers = {f: reader.files.entries(f) for f in reader.files.files}  # validated at open
     plan = _Plan(headers, files={f: {} for f in headers})
     block = _block_size(reader.config)
     converted: set[str] = set()
@@ -191,7 +235,14 @@ def _plan(reader: CheckpointReader, dst: WeightFormat) -> _Plan:
     for layer in reader.layers:
         projections: list[_Projection] = []
         for prefix in adapter.expert_prefixes(layer):
-            projections += _group(reader, layer, prefix, dst, source)
+            group = _group(reader, layer, prefix, dst, source)
+            if not group:
+                plan.checked_scales |= {
+                    f"{prefix}.{rel}"
+                    for rel in reader.names_under(prefix)
+                    if rel.endswith(f".{WeightFormat.FP8_BLOCK.scale_name}")
+                }
+            projections += group
         for proj in projections:
             rows, cols = proj.weight.shape[0], proj.weight.shape[1] * proj.src.values_per_byte
             spec_w, spec_s = projection_specs(dst, rows, cols, block)
@@ -226,21 +277,16 @@ def _group(
     """The projections to requantize under one expert prefix (none when already ``dst``)."""
     names = reader.names_under(prefix)
     if not names:
-        return []  # an optional group this checkpoint lacks (check_layer checked the rest)
-    singles = [s for s in map(parse_single_name, names) if s is not None]
-    if singles:  # one expert stored without an index, e.g. a shared expert
-        kinds = {kind for _, kind in singles}
-        weight_kind = next((k for k in (WEIGHT, WEIGHT_PACKED) if k in kinds), WEIGHT)
-        fmt = stored_format(
-            reader.tensor_spec(f"{prefix}.{singles[0][0]}.{weight_kind}").dtype, kinds
-        )
-        if fmt is None:
-            raise CheckpointError(
-                f"{prefix}: cannot tell the format of tensors {sorted(names)[:6]}; expected "
-                "a weight with the scale of one of bf16, fp8_block, mxfp8, mxfp4"
-            )
+        return []  # an optional group this checkpoint lacks (the reader checked the rest)
+    if reader.adapter is None:
+        raise ValueError("convert needs a reader opened with an adapter")
+    shared = reader.adapter.shared_expert(reader.config, layer)
+    if shared is not None and shared.prefix == prefix:  # one expert without an index
+        fmt = shared.checkpoint_format
         if fmt is dst:
             return []
+        kinds = {kind for _, kind in filter(None, map(parse_single_name, names))}
+        weight_kind = next(k for k in weight_kinds(fmt) if k in kinds)
         return [
             _Projection(
                 f"{prefix}.{proj}",
@@ -254,8 +300,6 @@ def _group(
     fused = any(p is not None and p.is_fused for p in map(parse_expert_name, names))
     if fmt is dst and not fused:
         return []  # already in the target format: copied unchanged
-    if reader.adapter is None:
-        raise ValueError("convert needs a reader opened with an adapter")
     num_experts, hidden, inter = reader.adapter.expert_dims(reader.config)
     projections = []
     for e in range(num_experts):
@@ -286,7 +330,7 @@ def _write(
     with contextlib.ExitStack() as stack:
         fds = {}
         for file in plan.files:
-            fds[file] = os.open(reader.path / file, os.O_RDONLY)
+            fds[file] = os.open(reader.files.resolved(file), os.O_RDONLY)
             stack.callback(os.close, fds[file])
         writers = {
             file: stack.enter_context(
@@ -302,6 +346,8 @@ def _write(
         )
         for name, file in plan.copies:
             entry = headers[file][name]
+            if name in plan.checked_scales:
+                check_block_scales(read_tensor(fds[file], entry), f"{reader.path / file}: {name}")
             writers[file].copy(name, fds[file], entry)
             bar.update(entry.end - entry.begin)
         converted = 0
@@ -331,6 +377,8 @@ def _convert_one(
     scale = None
     if proj.scale is not None:
         scale = read_tensor(fds[proj.scale.file], proj.scale.entry)
+        if src is WeightFormat.FP8_BLOCK:
+            check_block_scales(scale, f"{proj.scale.file}: {proj.name}.{src.scale_name}")
         if src is WeightFormat.FP8_BLOCK and dst.is_mx and not quant.is_power_of_two(scale):
             quant.warn_not_power_of_two(layer.prefix, option_hint="--to fp8_block")
     new_weight, new_scale = quant.requantize(weight, scale, src, dst, block, name=proj.name)
@@ -355,10 +403,7 @@ def _finish(
         )
         weight_map = {n: f for f, items in plan.files.items() for n in items}
         index = {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}
-        (partial / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    (partial / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    skip = {CONFIG_FILE, INDEX_FILE, *plan.files}
-    for path in sorted(reader.path.iterdir()):
-        if path.is_file() and path.name not in skip:
-            shutil.copy2(path, partial / path.name)
+        write_new(partial / INDEX_FILE, json.dumps(index, indent=2) + "\n")
+    write_new(partial / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
+    copy_other_files(reader.path, partial, skip={CONFIG_FILE, INDEX_FILE, *plan.files})
     return sum(sizes.values())

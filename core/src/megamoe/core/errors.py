@@ -61,6 +61,10 @@ class CheckpointError(ValueError):
     """A checkpoint directory is missing files or tensors, or they disagree with its config."""
 
 
+class UnsupportedCheckpointError(CheckpointError, NotImplementedError):
+    """A valid checkpoint megamoe cannot run (a quantization method, an activation, ...)."""
+
+
 class NoAdapterError(CheckpointError, LookupError):
     """No installed adapter claims a checkpoint's ``config.json``."""
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from megamoe.core.adapters import ModelAdapter, MoELayer
 from megamoe.core.checkpoint import open_checkpoint
+from megamoe.core.errors import UsageError
 from megamoe.core.expert_names import projection_shape, projection_specs
 from megamoe.core.formats import WeightFormat, detect_arch, resolve_formats
 
@@ -100,14 +101,14 @@ def plan_checkpoint(
         The plan.
 
     Raises:
-        ValueError: ``ep_size`` does not divide the experts, or a format the target
-            cannot run.
+        UsageError: ``ep_size`` does not divide the experts (a ``ValueError``).
+        ValueError: a format the target cannot run.
         CheckpointError: a missing, unreadable or mismatching tensor (headers only).
     """
     reader, adapter = open_checkpoint(path)
     num_experts, hidden, inter = adapter.expert_dims(reader.config)
     if ep_size < 1 or num_experts % ep_size:
-        raise ValueError(
+        raise UsageError(
             f"--ep-size {ep_size} does not divide the {num_experts} routed experts; MegaMoE "
             "places experts linearly in equal parts per rank"
         )

@@ -25,6 +25,8 @@ HEADER_LENGTH_BYTES = 8  # u64 little-endian
 HEADER_ALIGN = 8  # the header is padded with spaces to a multiple of 8 bytes
 METADATA_KEY = "__metadata__"
 COPY_CHUNK_BYTES = 16 * 1024 * 1024  # 16 MiB per read when copying raw bytes
+# A new file only: never an existing file, nor through a symlink planted at its name.
+CREATE_NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 DTYPE_TO_SAFETENSORS = {
     torch.bool: "BOOL",
@@ -76,30 +78,44 @@ def dtype_from_safetensors(name: str) -> torch.dtype:
 def read_header(path: str | Path) -> dict[str, TensorEntry]:
     """Parse a safetensors header (a few reads; no tensor data is touched).
 
-    Call this on files already checked with ``safe_open`` (``CheckpointReader`` does),
-    which validates coverage and offsets.
+    Call this on files already checked with ``safe_open`` (``CheckpointFiles`` does),
+    which validates coverage and offsets; this parser still bounds every read by the file
+    size and refuses what it cannot parse, so a file changed in between cannot crash it.
 
     Returns:
         Every tensor's entry, with absolute file offsets.
 
     Raises:
-        ValueError: the header cannot be parsed.
+        ValueError: the header cannot be parsed, naming the tensor where one is at fault.
     """
     with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(HEADER_LENGTH_BYTES))
+        size = os.fstat(f.fileno()).st_size
+        prefix = f.read(HEADER_LENGTH_BYTES)
+        if len(prefix) < HEADER_LENGTH_BYTES:
+            raise ValueError(f"{path}: {size} bytes, too short for a safetensors header")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > size - HEADER_LENGTH_BYTES:
+            raise ValueError(f"{path}: header length {length} exceeds the file ({size} bytes)")
         try:
             header = json.loads(f.read(length))
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"{path}: safetensors header is not valid JSON ({err})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: safetensors header is not a JSON object")
     start = HEADER_LENGTH_BYTES + length
     entries = {}
     for name, info in header.items():
         if name == METADATA_KEY:
             continue
-        begin, end = info["data_offsets"]
-        entries[name] = TensorEntry(
-            dtype_from_safetensors(info["dtype"]), tuple(info["shape"]), start + begin, start + end
-        )
+        try:
+            begin, end = (int(v) for v in info["data_offsets"])
+            shape = tuple(int(v) for v in info["shape"])
+            dtype = dtype_from_safetensors(info["dtype"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"{path}: tensor {name!r}: bad header entry ({err})") from None
+        if not 0 <= begin <= end <= size - start:
+            raise ValueError(f"{path}: tensor {name!r}: data_offsets lie outside the file")
+        entries[name] = TensorEntry(dtype, shape, start + begin, start + end)
     return entries
 
 
@@ -135,13 +151,32 @@ def read_tensor(
     view = memoryview(buffer)
     done = 0
     while done < nbytes:
-        got = os.preadv(fd, [view[done:]], begin + done)
+        try:
+            got = os.preadv(fd, [view[done:]], begin + done)
+        except OSError as err:
+            raise path_error(err, "reading", _fd_name(fd)) from err
         if got <= 0:
-            raise OSError(f"unexpected end of file reading {nbytes} bytes at offset {begin}")
+            where = f"at offset {begin} of {_fd_name(fd)}"
+            raise OSError(f"unexpected end of file reading {nbytes} bytes {where}")
         done += got
     if not nbytes:
         return torch.empty(shape, dtype=entry.dtype)
     return torch.frombuffer(buffer, dtype=torch.uint8).view(entry.dtype).reshape(shape)
+
+
+def path_error(err: OSError, doing: str, path: str | Path) -> OSError:
+    """``err`` with the file named (``... writing PATH``); errno, hence the subclass, is kept."""
+    if err.errno is None:
+        return OSError(f"{err} ({doing} {path})")
+    return OSError(err.errno, f"{err.strerror or err} {doing} {path}")
+
+
+def _fd_name(fd: int) -> str:
+    """The path an open file descriptor refers to, for error messages."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")  # Linux
+    except OSError:
+        return f"file descriptor {fd}"
 
 
 class ShardWriter:
@@ -187,9 +222,20 @@ class ShardWriter:
         }
         self.nbytes = start + offset
         self._pending = set(self._entries)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.pwrite(self._fd, struct.pack("<Q", len(text)) + text, 0)
-        os.ftruncate(self._fd, self.nbytes)
+        try:
+            self._fd = os.open(self.path, CREATE_NEW_FLAGS, 0o644)
+        except OSError as err:
+            raise path_error(err, "creating", self.path) from err
+        try:
+            self._pwrite_all(memoryview(struct.pack("<Q", len(text)) + text), 0)
+            try:
+                os.ftruncate(self._fd, self.nbytes)
+            except OSError as err:
+                raise path_error(err, "writing", self.path) from err
+        except OSError:
+            os.close(self._fd)
+            self._fd = -1
+            raise
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Write a planned tensor's bytes.
@@ -219,9 +265,12 @@ class ShardWriter:
             raise ValueError(f"{self.path.name}: tensor {name!r} source {src.spec} != {entry.spec}")
         done, nbytes = 0, src.end - src.begin
         while done < nbytes:
-            chunk = os.pread(src_fd, min(COPY_CHUNK_BYTES, nbytes - done), src.begin + done)
+            try:
+                chunk = os.pread(src_fd, min(COPY_CHUNK_BYTES, nbytes - done), src.begin + done)
+            except OSError as err:
+                raise path_error(err, f"reading {name!r} from", _fd_name(src_fd)) from err
             if not chunk:
-                raise OSError(f"unexpected end of file copying {name!r}")
+                raise OSError(f"unexpected end of file copying {name!r} from {_fd_name(src_fd)}")
             self._pwrite_all(memoryview(chunk), entry.begin + done)
             done += len(chunk)
 
@@ -235,7 +284,10 @@ class ShardWriter:
 
     def _pwrite_all(self, data: memoryview, offset: int) -> None:
         while len(data):
-            written = os.pwrite(self._fd, data, offset)
+            try:
+                written = os.pwrite(self._fd, data, offset)
+            except OSError as err:
+                raise path_error(err, "writing", self.path) from err
             data, offset = data[written:], offset + written
 
     def close(self) -> None:
@@ -249,6 +301,8 @@ class ShardWriter:
         fd, self._fd = self._fd, -1
         try:
             os.fsync(fd)
+        except OSError as err:
+            raise path_error(err, "writing", self.path) from err
         finally:
             os.close(fd)
         if self._pending:

@@ -174,9 +174,9 @@ class Glm5NextMegaMoeBlock(MoEBlock):
         update (requantizing the new block-FP8 shards first). The first load writes the
         router and the unfused shared expert straight in; after a successful
         ``finalize()`` they are staged and ``finalize()`` commits them. Any error drops
-        them with the experts' pending update (``discard_pending``); experts that
-        requantize in place were already overwritten, so ``forward`` then refuses to run
-        until an update completes (see ``Glm5NextMegaMoEExperts``).
+        them with the experts' pending update (``discard_pending``), so the previous
+        weights keep serving (see ``Glm5NextMegaMoEExperts``: only a first load is
+        written in place).
 
         Returns:
             The names loaded or accepted.

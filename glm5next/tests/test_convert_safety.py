@@ -26,7 +26,8 @@ from megamoe.core import convert as convert_module
 from megamoe.core.adapters import SyntheticSizes
 from megamoe.core.checkpoint import CONFIG_FILE, INDEX_FILE, CheckpointReader
 from megamoe.core.cli import main
-from megamoe.core.convert import PARTIAL_MARK, convert_checkpoint
+from megamoe.core.convert import convert_checkpoint
+from megamoe.core.convert_output import PARTIAL_MARK
 from megamoe.core.testing import write_synthetic_checkpoint
 from megamoe.glm5next import ADAPTER
 
