@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -11,9 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from megamoe.core import cli
 from megamoe.core.adapters import SyntheticSizes, installed_adapters
 from megamoe.core.formats import WeightFormat
 from megamoe.core.testing import write_synthetic_checkpoint
+from megamoe.core.verify import LOSSY_MXFP4_TOLERANCE, TOLERANCE
 
 ADAPTERS = installed_adapters()
 CASES = [(name, fmt) for name, a in ADAPTERS.items() for fmt in a.checkpoint_formats]
@@ -44,7 +47,7 @@ def test_console_script_is_installed_and_shows_help() -> None:
         assert command in done.stdout
 
 
-@pytest.mark.parametrize("checkpoint_format", list(WeightFormat))
+@pytest.mark.parametrize("checkpoint_format", [WeightFormat(f) for f in cli.FORMATS])
 def test_demo_passes_for_every_adapter_loading_the_format(
     checkpoint_format: WeightFormat,
 ) -> None:
@@ -59,12 +62,100 @@ def test_demo_passes_for_every_adapter_loading_the_format(
     assert f"{len(expected)} of {len(expected)} combinations within tolerance" in done.stdout
 
 
-def test_demo_unknown_adapter_fails_with_one_line() -> None:
+def test_demo_unknown_adapter_is_a_usage_mistake() -> None:
     done = megamoe("demo", "--adapter", "llama")
-    assert done.returncode == 1
+    assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        f"megamoe demo: error: adapter(s) llama not installed; installed: {', '.join(ADAPTERS)}"
+        f"megamoe demo: error: --adapter llama: not installed; installed: {', '.join(ADAPTERS)}"
     ]
+
+
+def test_demo_selecting_nothing_names_what_exists() -> None:
+    done = megamoe("demo", "--adapter", "glm5next", "--format", "mxfp8")
+    assert done.returncode == 2 and done.stdout == ""
+    loads = ", ".join(f.value for f in ADAPTERS["glm5next"].checkpoint_formats)
+    assert done.stderr == (
+        f"megamoe demo: error: --format mxfp8: no selected adapter loads it (glm5next loads "
+        f"{loads}); pick one of those\n"
+    )
+
+
+@pytest.mark.parametrize("adapter_name", list(ADAPTERS))
+def test_quickstart_sample_inspect_convert_verify_against(
+    tmp_path: Path, adapter_name: str
+) -> None:
+    src, out = tmp_path / "sample", tmp_path / "sample-mxfp4"
+    done = megamoe("sample", str(src), "--adapter", adapter_name)
+    assert done.returncode == 0, done.stderr
+    release = ADAPTERS[adapter_name].checkpoint_formats[0].value
+    assert f"({adapter_name}), routed experts stored as {release}" in done.stdout
+    layers = ADAPTERS[adapter_name].moe_layers(json.loads((src / "config.json").read_text()))
+
+    done = megamoe("inspect", str(src))
+    assert done.returncode == 0, done.stderr
+    assert f"adapter {adapter_name}" in done.stdout
+
+    done = megamoe("convert", str(src), str(out), "--to", "mxfp4", "--no-progress")
+    assert done.returncode == 0, done.stderr
+    assert f"next: megamoe verify {out} --against {src}" in done.stdout
+
+    done = megamoe("verify", str(out), "--against", str(src), "--device", "cpu")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "conversion loss" in done.stdout
+    rows = [line.split() for line in done.stdout.splitlines() if ".mlp " in line]
+    assert len(rows) == len(layers)
+    for row in rows:
+        cells = row[1:] if row[1] == "(mtp)" else row
+        stored, run, loss, error, tol = cells[2], cells[3], cells[5], cells[6], cells[7]
+        assert (stored, run, tol) == ("mxfp4", "mxfp4", repr(LOSSY_MXFP4_TOLERANCE))
+        # The conversion's loss is most of the error against the source.
+        assert 0.05 < float(loss) <= float(error) * 1.2 and float(error) <= float(tol)
+    assert f"(max |out - ref| / max |ref| vs the float64 reference of {src})" in done.stdout
+
+    # Its own reference: what the kernel path adds to the converted weights, much less.
+    done = megamoe("verify", str(out), "--device", "cpu")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert all(
+        float(line.split()[-4]) < 0.05 for line in done.stdout.splitlines() if ".mlp " in line
+    )
+
+
+@pytest.mark.parametrize("adapter_name", list(ADAPTERS))
+def test_forced_mxfp4_passes_on_the_projects_own_checkpoints(
+    tmp_path: Path, adapter_name: str
+) -> None:
+    src = tmp_path / "sample"
+    assert megamoe("sample", str(src), "--adapter", adapter_name).returncode == 0
+    done = megamoe("verify", str(src), "--moe-format", "mxfp4", "--device", "cpu")
+    assert done.returncode == 0, done.stdout + done.stderr
+    tolerances = {line.split()[-3] for line in done.stdout.splitlines() if ".mlp " in line}
+    # Printed exactly as applied: the lossy MXFP4 tolerance, and the MTP layer's own.
+    assert repr(LOSSY_MXFP4_TOLERANCE) in tolerances
+    assert tolerances <= {repr(t) for t in (LOSSY_MXFP4_TOLERANCE, *TOLERANCE.values())}
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_verify_shows_progress_on_a_terminal_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = write_synthetic_checkpoint(tmp_path / "src", "qwen4exp", "bf16", SIZES)
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert cli.main(["verify", str(src), "--device", "cpu", "--layers", "0"]) == 0
+    shown = terminal.getvalue()
+    assert "model.language_model.layers.0.mlp: reference" in shown and "1/1" in shown
+    terminal.seek(0)
+    terminal.truncate()
+    assert cli.main(["verify", str(src), "--device", "cpu", "--layers", "0", "--no-progress"]) == 0
+    assert terminal.getvalue() == ""
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal: no bar
+    assert cli.main(["verify", str(src), "--device", "cpu", "--layers", "0"]) == 0
+    assert sys.stderr.getvalue() == ""
+    assert "1 of 1 layer(s) within tolerance" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import json
+import logging
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from megamoe.core import bench, cli, quant
+from megamoe.core import bench, cli, commands, quant
 from megamoe.core.adapters import SyntheticSizes
-from megamoe.core.formats import WeightFormat
+from megamoe.core.formats import ARCHES, WeightFormat
 from megamoe.core.inspection import expert_kernel_bytes, human_bytes
 from megamoe.core.testing import write_synthetic_checkpoint
 
 SIZES = SyntheticSizes(num_layers=2, hidden_size=256, intermediate_size=128, num_experts=4)
-COMMANDS = ("demo", "inspect", "convert", "verify", "bench")
+COMMANDS = ("demo", "sample", "inspect", "convert", "verify", "bench")
 
 
 @pytest.fixture
@@ -160,16 +162,18 @@ def test_bench_runs_only_the_scripts_shipped_with_megamoe(
         "import sys\nprint('requant', sys.argv[1:])\n"
     )
     (fake / "benchmarks" / "bench_load.py").write_text("raise SystemExit(3)\n")
-    monkeypatch.setattr(cli, "SOURCE_ROOT", fake)
-    assert cli.shipped_bench_scripts() == [
+    monkeypatch.setattr(bench, "SOURCE_ROOT", fake)
+    # The scripts need CUDA: pretend --device cuda resolved (no GPU needed to run them here).
+    monkeypatch.setattr(commands, "resolve_device", lambda name: torch.device("cuda"))
+    assert bench.shipped_bench_scripts() == [
         fake / "benchmarks" / "bench_requant.py",
         fake / "benchmarks" / "bench_load.py",
     ]
     assert cli.main(["bench", "--", "--quick"]) == 1  # bench_load.py failed
     assert "requant ['--quick']" in capfd.readouterr().out
     assert not marker.exists()  # the current directory's script never ran
-    monkeypatch.setattr(cli, "SOURCE_ROOT", tmp_path / "site-packages")  # an installed wheel
-    assert cli.shipped_bench_scripts() == []
+    monkeypatch.setattr(bench, "SOURCE_ROOT", tmp_path / "site-packages")  # an installed wheel
+    assert bench.shipped_bench_scripts() == []
 
 
 @pytest.mark.parametrize(
@@ -200,7 +204,9 @@ def test_a_cuda_device_this_machine_lacks_is_a_usage_mistake(
 ) -> None:
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     assert cli.main(["verify", str(checkpoint), "--device", f"cuda:{count}"]) == cli.EXIT_USAGE
-    assert f"this machine has {count} CUDA device(s); use --device cpu" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"--device cuda:{count}: this machine has {count} CUDA device(s) (" in err
+    assert "); use --device cpu" in err
 
 
 def test_builtin_requantize_bench_measures_against_a_copy() -> None:
@@ -235,3 +241,197 @@ def test_demo_reports_a_failing_adapter_and_exits_1(
     assert rows == [["toymoe", "mxfp8", "-", "-", "-", "-", "-", "FAIL"]]
     assert "0 of 1 combinations within tolerance" in captured.out
     assert "toymoe mxfp8: NotImplementedError: the toy adapter has no MoE block" in captured.err
+
+
+# ------------------------------------------------------------ one test per fixed CLI item
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--debug", "-v", "inspect", "CKPT"],
+        ["inspect", "CKPT", "--debug", "-v"],
+        ["--debug", "inspect", "CKPT", "-v"],
+    ],
+)
+def test_global_flags_work_before_and_after_the_command(argv: list[str]) -> None:
+    args = cli.build_parser().parse_args(argv)
+    assert (args.debug, args.verbose) == (True, True)
+    plain = cli.build_parser().parse_args(["inspect", "CKPT"])
+    assert (plain.debug, plain.verbose) == (False, False)
+
+
+def test_debug_before_the_command_shows_the_exception(checkpoint: Path) -> None:
+    with pytest.raises(ValueError, match="--ep-size 3 does not divide"):
+        cli.main(["--debug", "inspect", str(checkpoint), "--ep-size", "3"])
+
+
+def test_verbose_before_the_command_logs_info(checkpoint: Path) -> None:
+    root = logging.getLogger()
+    before = root.level
+    try:
+        assert cli.main(["-v", "inspect", str(checkpoint)]) == 0
+        assert root.level == logging.INFO
+        assert cli.main(["inspect", str(checkpoint)]) == 0
+        assert root.level == logging.WARNING
+    finally:
+        root.setLevel(before)
+
+
+def test_version_names_core_and_the_installed_adapters(
+    toy_adapter, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith(f"megamoe-core {version('megamoe-core')}; adapters:")
+
+
+def test_help_and_version_import_no_torch() -> None:
+    code = (
+        "import sys\n"
+        "from megamoe.core import cli\n"
+        "for argv in (['--help'], ['--version'], ['verify', '--help']):\n"
+        "    try:\n"
+        "        cli.main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "mine = ('torch', 'megamoe')\n"
+        "print('LOADED', sorted(m for m in sys.modules if m.split('.')[0] in mine))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = done.stdout.splitlines()[-1]
+    assert loaded == "LOADED ['megamoe', 'megamoe.core', 'megamoe.core.cli', 'megamoe.core.errors']"
+
+
+def test_the_parser_spells_the_formats_and_targets_of_megamoe_core() -> None:
+    # Every format the command offers exists (a format added to megamoe-core is offered
+    # once the loaders and convert take it).
+    assert set(cli.FORMATS) <= {f.value for f in WeightFormat}
+    assert {"bf16", "fp8_block", "mxfp8", "mxfp4"} <= set(cli.FORMATS)
+    assert cli.ARCHES == ARCHES
+    assert set(cli.TARGETS) == set(cli.FORMATS) - {"bf16"}
+
+
+def test_a_missing_cuda_is_said_as_such_and_names_device(
+    checkpoint: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert cli.main(["bench", "--device", "cuda", "--builtin"]) == cli.EXIT_USAGE
+    assert capsys.readouterr().err == (
+        "megamoe bench: error: --device cuda: this machine has 0 CUDA device(s) (this torch "
+        "is a CPU-only build); use --device cpu\n"
+    )
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert cli.main(["verify", str(checkpoint), "--device", "cuda"]) == cli.EXIT_USAGE
+    assert "0 CUDA device(s) (no CUDA device is visible" in capsys.readouterr().err
+
+
+def test_bench_on_cpu_in_a_checkout_runs_the_builtin_benchmarks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    marker = tmp_path / "ran"
+    (tmp_path / "core").mkdir()
+    (tmp_path / "core" / "pyproject.toml").write_text("")
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "bench_requant.py").write_text(f"open({str(marker)!r}, 'w')\n")
+    monkeypatch.setattr(bench, "SOURCE_ROOT", tmp_path)
+    argv = ["bench", "--device", "cpu", "--only", "requant", "--repeats", "1"]
+    assert cli.main(argv) == 0
+    out = capfd.readouterr().out
+    assert "benchmarks/ scripts need a CUDA device (--device cpu); running the built-in" in out
+    assert "megamoe bench on cpu" in out
+    assert out.count("requantize ") == len(bench.REQUANT_PAIRS)
+    assert not marker.exists()
+    assert cli.main([*argv, "--", "--quick"]) == cli.EXIT_USAGE
+    assert "arguments after -- (--quick) are for the benchmarks/ scripts" in capfd.readouterr().err
+
+
+def test_bench_only_names_the_parts(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--only", "requant,load"])
+    assert exit_info.value.code == cli.EXIT_USAGE
+    assert "'requant,load' names no part load; the parts are requant, forward, convert" in (
+        capsys.readouterr().err
+    )
+
+
+@pytest.mark.parametrize(
+    ("command", "message", "said"),
+    [
+        (
+            "verify",
+            "moe_format='mxfp4' cannot run on sm90 (it runs: fp8_block); choose one of those "
+            "or leave moe_format unset to convert automatically",
+            "--moe-format mxfp4 cannot run on sm90 (it runs: fp8_block); choose one of those "
+            "or leave --moe-format unset to convert automatically",
+        ),
+        (
+            "verify",
+            "64 tokens exceed max_num_tokens=32; build the layer with a larger max_num_tokens",
+            "64 tokens exceed --tokens 32; build the layer with a larger --tokens",
+        ),
+        (
+            "inspect",
+            "Pass moe_format='mxfp8' to choose this",
+            "Pass --moe-format mxfp8 to choose this",
+        ),
+        ("convert", "moe_format='mxfp8'", "moe_format='mxfp8'"),  # convert has no such flag
+    ],
+)
+def test_messages_speak_in_the_commands_flags(command: str, message: str, said: str) -> None:
+    assert cli.speak_in_flags(command, message) == said
+
+
+def test_a_library_error_is_printed_with_the_flag(
+    checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["inspect", str(checkpoint), "--arch", "sm90", "--moe-format", "mxfp4"]
+    assert cli.main(argv) == cli.EXIT_FAIL
+    err = capsys.readouterr().err
+    assert err.startswith("megamoe inspect: error: --moe-format mxfp4 cannot run on sm90")
+    assert "moe_format" not in err
+
+
+def test_sample_writes_a_checkpoint_the_other_commands_open(
+    toy_adapter, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "sample"
+    argv = ["sample", str(out), "--format", "mxfp8", "--num-experts", "4", "--num-layers", "3"]
+    assert cli.main(argv) == 0
+    said = capsys.readouterr().out
+    assert said.startswith(f"wrote {out}: toy_moe (toymoe), routed experts stored as mxfp8; 3 MoE")
+    assert f"next: megamoe inspect {out}" in said
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sample"]  # no staging left
+    assert cli.main(["inspect", str(out), "--arch", "reference"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if ".mlp " in line]
+    assert [row[2] for row in rows] == ["mxfp8"] * 3
+    assert cli.main(argv) == cli.EXIT_FAIL
+    assert capsys.readouterr().err == (
+        f"megamoe sample: error: {out} already exists; remove it or choose another directory\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--adapter", "llama"], "--adapter llama: not installed; installed: toymoe"),
+        (["--hidden-size", "100"], "argument --hidden-size: '100' is not a multiple of 128"),
+        (["--num-experts", "1"], "--num-experts 1: fewer than the 2 experts each token is"),
+    ],
+)
+def test_sample_usage_mistakes_exit_2(
+    toy_adapter,
+    tmp_path: Path,
+    argv: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    try:
+        code = cli.main(["sample", str(tmp_path / "out"), *argv])
+    except SystemExit as exit_info:
+        code = exit_info.code
+    assert code == cli.EXIT_USAGE
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -1,5 +1,8 @@
 """Built-in benchmarks for ``megamoe bench``, each beside its memory-bandwidth ceiling.
 
+In megamoe's source checkout on a CUDA device, ``megamoe bench`` runs the checkout's own
+``benchmarks/`` scripts instead (``shipped_bench_scripts``); they need CUDA.
+
 Requantization and a layer's forward are memory-bound at best: the fastest they could run
 is the time to move their bytes at the bandwidth of a plain copy (of a buffer larger than
 the caches) on the same device, measured in the same run. ``megamoe convert`` is measured
@@ -42,6 +45,21 @@ REQUANT_PAIRS = (
 )
 BACKENDS = ("reference", "deepgemm")
 BANDWIDTH_PROBE_BYTES = 512 << 20  # 256 MiB read + 256 MiB written
+BENCH_SCRIPTS = ("bench_requant.py", "bench_forward.py", "bench_load.py")
+# This file in a source checkout: <root>/core/src/megamoe/core/bench.py.
+SOURCE_ROOT = Path(__file__).resolve().parents[4]
+
+
+def shipped_bench_scripts() -> list[Path]:
+    """The ``benchmarks/bench_*.py`` scripts of the source checkout megamoe runs from.
+
+    Only megamoe's own: found beside this package's sources (``SOURCE_ROOT``), never in
+    the current directory; none for an installed wheel (the built-in benchmarks run then).
+    """
+    if not (SOURCE_ROOT / "core" / "pyproject.toml").is_file():
+        return []
+    directory = SOURCE_ROOT / "benchmarks"
+    return [directory / name for name in BENCH_SCRIPTS if (directory / name).is_file()]
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import torch
 
-from megamoe.core import adapters as adapter_registry
-from megamoe.core.adapters import KNOWN_DISTRIBUTIONS, SyntheticSizes
+from megamoe.core.adapters import ModelAdapter, SyntheticSizes
 from megamoe.core.checkpoint import CheckpointReader
+from megamoe.core.errors import UsageError
 from megamoe.core.formats import WeightFormat
 from megamoe.core.parallel import ParallelSettings, single_rank_group
+from megamoe.core.sample import select_adapters
 from megamoe.core.testing import write_synthetic_checkpoint
 from megamoe.core.verify import LayerCheck, verify_layer
 
@@ -66,7 +67,7 @@ class DemoRow:
             "/".join(sorted({c.run_format.value for c in self.checks})),
             "/".join(sorted({c.backend for c in self.checks})),
             f"{worst.max_rel_error:.2e}",
-            f"{worst.tolerance:.0e}",
+            repr(worst.tolerance),
             f"{sum(c.load_seconds for c in self.checks):.2f}",
             "ok" if self.ok else "FAIL",
         )
@@ -102,51 +103,70 @@ def run_demo(
         One row per (adapter, format).
 
     Raises:
-        LookupError: no adapter is installed, or a requested one is not.
+        LookupError: no adapter is installed.
+        UsageError: see ``demo_combinations``.
     """
-    installed = adapter_registry.installed_adapters()
-    if not installed:
-        raise LookupError(
-            "no megamoe adapter is installed; pip install " + " ".join(KNOWN_DISTRIBUTIONS.values())
-        )
-    names = list(installed) if adapters is None else list(adapters)
-    unknown = [n for n in names if n not in installed]
-    if unknown:
-        raise LookupError(
-            f"adapter(s) {', '.join(unknown)} not installed; installed: {', '.join(installed)}"
-        )
-    wanted = None if formats is None else {WeightFormat.parse(f) for f in formats}
+    combinations = demo_combinations(adapters, formats)
     device = default_device() if device is None else torch.device(device)
     parallel = ParallelSettings(ep_group=single_rank_group(device))
     rows = []
     with tempfile.TemporaryDirectory(prefix="megamoe-demo-") as tmp:
-        for name in names:
-            adapter = installed[name]
-            for fmt in adapter.checkpoint_formats:
-                if wanted is not None and fmt not in wanted:
-                    continue
-                path = Path(tmp) / f"{name}-{fmt.value}"
-                try:
-                    write_synthetic_checkpoint(path, adapter, fmt, sizes)
-                    reader = CheckpointReader(path, adapter)
-                    checks = tuple(
-                        verify_layer(
-                            reader,
-                            adapter,
-                            layer,
-                            parallel=parallel,
-                            backend=backend,
-                            device=device,
-                        )
-                        for layer in reader.layers
+        for adapter, fmt in combinations:
+            path = Path(tmp) / f"{adapter.name}-{fmt.value}"
+            try:
+                write_synthetic_checkpoint(path, adapter, fmt, sizes)
+                reader = CheckpointReader(path, adapter)
+                checks = tuple(
+                    verify_layer(
+                        reader, adapter, layer, parallel=parallel, backend=backend, device=device
                     )
-                    row = DemoRow(name, fmt, checks)
-                except Exception as err:  # one broken combination must not hide the others
-                    row = DemoRow(name, fmt, (), f"{type(err).__name__}: {err}")
-                rows.append(row)
-                if on_row is not None:
-                    on_row(row)
+                    for layer in reader.layers
+                )
+                row = DemoRow(adapter.name, fmt, checks)
+            except Exception as err:  # one broken combination must not hide the others
+                row = DemoRow(adapter.name, fmt, (), f"{type(err).__name__}: {err}")
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
     return rows
+
+
+def demo_combinations(
+    adapters: Sequence[str] | None = None, formats: Sequence[WeightFormat | str] | None = None
+) -> list[tuple[ModelAdapter, WeightFormat]]:
+    """The (adapter, checkpoint format) pairs the demo runs: those installed and selected.
+
+    Args:
+        adapters: only these adapter names (None: all installed).
+        formats: only these checkpoint formats (None: every format an adapter loads).
+
+    Returns:
+        The pairs, by adapter name then the adapter's format order; never empty.
+
+    Raises:
+        LookupError: no adapter is installed (the message names the pip command).
+        UsageError: a requested adapter is not installed (see ``select_adapters``), or no
+            selected adapter loads a selected format (the message names ``--format`` and
+            what each selected adapter loads).
+    """
+    selected = select_adapters(adapters)
+    wanted = None if formats is None else {WeightFormat.parse(f) for f in formats}
+    pairs = [
+        (adapter, fmt)
+        for adapter in selected.values()
+        for fmt in adapter.checkpoint_formats
+        if wanted is None or fmt in wanted
+    ]
+    if not pairs:
+        loads = "; ".join(
+            f"{name} loads {', '.join(f.value for f in adapter.checkpoint_formats)}"
+            for name, adapter in selected.items()
+        )
+        asked = ", ".join(sorted(f.value for f in wanted or ()))
+        raise UsageError(
+            f"--format {asked}: no selected adapter loads it ({loads}); pick one of those"
+        )
+    return pairs
 
 
 def format_table(rows: Sequence[Sequence[str]], headers: Sequence[str] = HEADERS) -> str:
