@@ -71,8 +71,10 @@ def test_incomplete_names_missing_keys_sorted_and_truncated() -> None:
     with pytest.raises(IncompleteShardsError) as info:
         pairing.check_complete()
     message = str(info.value)
-    assert message.startswith("model.layers.1.mlp.experts: 12 expert shard(s)")
-    assert "(2, 'w3') missing weight_scale_inv" in message
+    assert message.startswith("model.layers.1.mlp.experts: 12 expert projection(s) lack a tensor: ")
+    assert "up_proj.weight_scale_inv of local expert 2," in message
+    assert "gate_proj.weight of the shared expert" in message
+    assert "'w" not in message  # no internal shard ids
     assert "and 4 more" in message
     assert info.value.missing[(None, "w1")] == ("weight",)
     assert isinstance(info.value, ValueError)

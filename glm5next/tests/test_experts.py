@@ -260,9 +260,9 @@ def test_missing_halves_name_local_expert_and_shard() -> None:
     with pytest.raises(IncompleteShardsError) as err:
         module.requantize_block_fp8()
     message = str(err.value)
-    assert "(3, 'w1') missing weight_scale_inv" in message
-    assert "(1, 'w2') missing weight" in message
-    assert "(None, 'w3') missing weight_scale_inv" in message
+    assert "gate_proj.weight_scale_inv of local expert 3" in message
+    assert "down_proj.weight of local expert 1" in message
+    assert "up_proj.weight_scale_inv of the shared expert" in message
     assert set(err.value.missing) == {(3, "w1"), (1, "w2"), (None, "w3")}
     # The update stays pending: the missing halves complete it.
     module.load_weights([("9.gate_proj.weight_scale_inv", routed["9.gate_proj.weight_scale_inv"])])

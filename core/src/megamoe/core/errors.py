@@ -28,24 +28,33 @@ def format_keys(keys: Iterable[Hashable]) -> str:
 class IncompleteShardsError(ValueError):
     """Some expert shards received only their weight or only their scale.
 
+    The message names the missing checkpoint tensors (``up_proj.weight_scale_inv`` of local
+    expert 2, ``gate_proj.weight`` of the shared expert).
+
     Attributes:
         missing: the unpaired keys, each ``(local expert id or None, shard id)``,
             mapped to the halves that are still missing.
     """
 
     def __init__(self, prefix: str, missing: Mapping[Any, tuple[str, ...]]) -> None:
+        from megamoe.core.pairing import SHARD_TO_PROJ
+
         self.missing = dict(missing)
-        listed = ", ".join(
-            f"{key!r} missing {'+'.join(halves)}"
-            for key, halves in sorted(self.missing.items(), key=lambda kv: _natural(kv[0]))[
-                :MAX_LISTED
-            ]
-        )
+
+        def tensors(key: Any, halves: tuple[str, ...]) -> str:
+            expert, shard = key
+            proj = SHARD_TO_PROJ.get(shard, shard)
+            owner = "the shared expert" if expert is None else f"local expert {expert}"
+            return f"{' and '.join(f'{proj}.{half}' for half in halves)} of {owner}"
+
+        ordered = sorted(self.missing.items(), key=lambda kv: _natural(kv[0]))
+        listed = ", ".join(tensors(key, halves) for key, halves in ordered[:MAX_LISTED])
         more = len(self.missing) - MAX_LISTED
         super().__init__(
-            f"{prefix}: {len(self.missing)} expert shard(s) (local expert, shard) are "
-            f"incomplete: {listed}{f' and {more} more' if more > 0 else ''}; load the missing "
-            "tensors before finalizing (None = the shared expert)"
+            f"{prefix}: {len(self.missing)} expert projection(s) lack a tensor: {listed}"
+            f"{f' and {more} more' if more > 0 else ''}; load the missing tensors (local "
+            "expert k is this rank's k-th, checkpoint expert experts_start_idx + k), then "
+            "finalize"
         )
 
 
