@@ -21,10 +21,13 @@ import torch.nn.functional as F
 from megamoe.core.backends import deepgemm as dg_backend
 from megamoe.core.backends import symm_buffer
 from megamoe.core.backends.deepgemm import DeepGemmBackend, missing_api, supported_kinds
+from megamoe.core.backends.deepgemm_layout import L1_ROW_ORDER
 from megamoe.core.bitcheck import relative_error
 from megamoe.core.errors import CapabilityError, FormatMismatchError, NonFiniteError
+from megamoe.core.expert_loading import STAGE_WHOLE_RELOAD
 from megamoe.core.experts import MegaMoEExperts
 from megamoe.core.formats import WeightFormat
+from megamoe.core.memory import canonical_bytes, resident_bytes
 from megamoe.core.tagging import KernelTag, tag, tag_of
 from megamoe.core.testing import one_rank_experts, synthetic_expert_tensors
 
@@ -118,6 +121,7 @@ def build(
         prefix=PREFIX,
         emulate_kernel=emulate,
         swiglu_limit=swiglu_limit,
+        reload_staging_bytes=STAGE_WHOLE_RELOAD,
     )
     experts.load_weights(synthetic_expert_tensors(fmt, E, H, INTER, seed=seed))
     experts.finalize()
@@ -312,7 +316,7 @@ def test_fake_refuses_what_deepgemm_would(monkeypatch: pytest.MonkeyPatch) -> No
     buf = experts.backend.symm_buffer.buffer  # type: ignore[union-attr]
     l1w, l1s, l2w, l2s = experts.backend._layout.pieces  # type: ignore[union-attr]
     y = torch.empty((4, H), dtype=torch.bfloat16)
-    canonical = experts.kernel_params["w13_weight"].data
+    canonical = experts.l1_order.to_canonical(experts.kernel_params["w13_weight"].data)
     with pytest.raises(fake_dg.FakeDeepGemmError, match="not produced by a DeepGEMM transform"):
         module.fp8_fp4_mega_moe(y, (canonical, l1s), (l2w, l2s), buf)
     with pytest.raises(fake_dg.FakeDeepGemmError, match="not MN-major"):
@@ -406,12 +410,14 @@ def test_clamp_is_in_the_kernel_tag_not_the_buffer_tag(
     limit = clamping_limit(fmt, x, ids)
     clamped = build(fmt, "deepgemm", swiglu_limit=limit)  # allocates the buffer
     plain = build(fmt, "deepgemm")
-    assert clamped.kernel_tag == KernelTag.for_format(fmt, swiglu_limit=limit)
-    assert plain.kernel_tag == KernelTag.for_format(fmt) == clamped.kernel_tag.buffer_tag
+    rows = L1_ROW_ORDER.group  # DeepGEMM's weights keep gate/up interleaved by 8
+    assert clamped.kernel_tag == KernelTag.for_format(fmt, swiglu_limit=limit, l1_row_group=rows)
+    assert plain.kernel_tag == KernelTag.for_format(fmt, l1_row_group=rows)
+    assert plain.kernel_tag.buffer_tag == clamped.kernel_tag.buffer_tag == KernelTag.for_format(fmt)
     entry = clamped.backend.symm_buffer
     assert entry is not None and entry is plain.backend.symm_buffer
     assert len(fake.buffers) == 1  # type: ignore[attr-defined]
-    assert entry.kernel_tag == tag_of(entry.buffer) == plain.kernel_tag
+    assert entry.kernel_tag == tag_of(entry.buffer) == plain.kernel_tag.buffer_tag
     y_clamped = clamped(x, weights, ids)
     y_plain = plain(x, weights, ids)
     assert relative_error(y_clamped, y_plain) > 10 * EMULATION_TOL
@@ -421,17 +427,19 @@ def test_clamp_is_in_the_kernel_tag_not_the_buffer_tag(
 
     calls = fake.kernel_calls  # type: ignore[attr-defined]
     piece = clamped.backend.kernel_weights["deepgemm l1_weight"]
-    other = KernelTag.for_format(fmt, swiglu_limit=2 * limit)
+    other = KernelTag.for_format(fmt, swiglu_limit=2 * limit, l1_row_group=rows)
     for wrong, described in ((other, f"clamp {2 * limit:g}"), (plain.kernel_tag, "no clamp")):
         tag(piece, wrong)
         with pytest.raises(
             FormatMismatchError,
-            match=rf"deepgemm l1_weight is tagged .*{described}\).* runs .*clamp {limit:g}\)",
+            match=rf"deepgemm l1_weight is tagged .*{described}[,)].* runs .*clamp {limit:g}[,)]",
         ):
             clamped(x, weights, ids)
     tag(piece, clamped.kernel_tag)
     tag(plain.backend.kernel_weights["deepgemm l1_weight"], clamped.kernel_tag)
-    with pytest.raises(FormatMismatchError, match=rf"tagged .*clamp {limit:g}\).* runs .*no clamp"):
+    with pytest.raises(
+        FormatMismatchError, match=rf"tagged .*clamp {limit:g}[,)].* runs .*no clamp"
+    ):
         plain(x, weights, ids)
     tag(plain.backend.kernel_weights["deepgemm l1_weight"], plain.kernel_tag)
     tag(clamped.kernel_params["w2_weight"], other)  # a canonical tensor, checked by the module
@@ -443,7 +451,7 @@ def test_clamp_is_in_the_kernel_tag_not_the_buffer_tag(
         with pytest.raises(FormatMismatchError, match="symmetric buffer is tagged"):
             layer(x, weights, ids)
     assert fake.kernel_calls == calls  # type: ignore[attr-defined]  # nothing reached the kernel
-    tag(entry.buffer, plain.kernel_tag)
+    tag(entry.buffer, plain.kernel_tag.buffer_tag)
     assert torch.equal(clamped(x, weights, ids).view(torch.int16), y_clamped.view(torch.int16))
 
 
@@ -458,7 +466,9 @@ def test_one_buffer_per_shape_and_kind_allocated_at_finalize(
     entry = first.backend.symm_buffer
     assert entry is second.backend.symm_buffer and entry is not None
     assert entry.capacity == T and entry.key.kind == "fp8xfp4"
-    assert entry.kernel_tag == first.kernel_tag == KernelTag.for_format(WeightFormat.MXFP4)
+    assert (
+        entry.kernel_tag == first.kernel_tag.buffer_tag == KernelTag.for_format(WeightFormat.MXFP4)
+    )
     x, weights, ids = inputs()
     first(x, weights, ids)
     second(x, weights, ids)
@@ -493,7 +503,7 @@ def test_tags_of_buffer_and_kernel_tensors_are_checked(monkeypatch: pytest.Monke
     tag(entry.buffer, other)
     with pytest.raises(FormatMismatchError, match="symmetric buffer is tagged mxfp4"):
         experts(x, weights, ids)
-    tag(entry.buffer, experts.kernel_tag)
+    tag(entry.buffer, experts.kernel_tag.buffer_tag)
     tag(experts.backend.kernel_weights["deepgemm l1_scale"], other)
     with pytest.raises(FormatMismatchError, match="deepgemm l1_scale is tagged mxfp4"):
         experts(x, weights, ids)
@@ -545,26 +555,51 @@ def test_failed_reload_keeps_serving(monkeypatch: pytest.MonkeyPatch) -> None:
         (
             WeightFormat.FP8_BLOCK,
             {
+                "l1_weight": "w13_weight",
                 "l1_scale": "w13_weight_scale",
                 "l2_weight": "w2_weight",
                 "l2_scale": "w2_weight_scale",
             },
         ),
-        (WeightFormat.MXFP4, {"l2_weight": "w2_weight"}),
-        (WeightFormat.BF16, {"l2_weight": "w2_weight"}),
+        (WeightFormat.MXFP8, {"l1_weight": "w13_weight", "l2_weight": "w2_weight"}),
+        (WeightFormat.MXFP4, {"l1_weight": "w13_weight", "l2_weight": "w2_weight"}),
+        (WeightFormat.BF16, {"l1_weight": "w13_weight", "l2_weight": "w2_weight"}),
     ],
     ids=lambda v: getattr(v, "value", ""),
 )
-def test_unchanged_pieces_are_not_copied(
+def test_the_kernel_reads_the_experts_own_weights(
     monkeypatch: pytest.MonkeyPatch, fmt: WeightFormat, aliased: dict[str, str]
 ) -> None:
+    """One resident copy: every weight piece is an expert parameter's own storage; only
+    SM100's packed scales (DeepGEMM's layout of the UE8M0 bytes) are the backend's."""
     install(monkeypatch, ARCH_OF[fmt])
     experts = build(fmt, "deepgemm")
     params = experts.kernel_params
     for name, tensor in experts.backend.kernel_weights.items():
         piece = name.removeprefix("deepgemm ")
-        shares = tensor.data_ptr() == params[aliased.get(piece, "w13_weight")].data_ptr()
+        owner = params.get(aliased.get(piece, ""))
+        shares = owner is not None and tensor.untyped_storage().data_ptr() == (
+            owner.untyped_storage().data_ptr()
+        )
         assert shares == (piece in aliased), name
+    scales = sum(
+        t.untyped_storage().nbytes()
+        for n, t in experts.backend.kernel_weights.items()
+        if n.removeprefix("deepgemm ") not in aliased
+    )
+    assert resident_bytes(experts) == canonical_bytes(experts) + scales
+    ratio = resident_bytes(experts) / canonical_bytes(experts)
+    assert ratio <= SM100_SCALE_COPY[fmt], f"{fmt.value}: resident {ratio:.4f}x canonical"
+
+
+# SM100 keeps UE8M0 scales twice (canonical bytes, and DeepGEMM's packed int32 layout of
+# them): 1/32 of an MXFP8 weight's bytes, 1/16 of a packed MXFP4 one's. Hopper: one copy.
+SM100_SCALE_COPY = {
+    WeightFormat.FP8_BLOCK: 1.0,
+    WeightFormat.MXFP8: 1 + 1 / 32 / (1 + 1 / 32),
+    WeightFormat.MXFP4: 1 + 1 / 16 / (1 + 1 / 16),
+    WeightFormat.BF16: 1.0,
+}
 
 
 # ------------------------------------------------------------------ refusals

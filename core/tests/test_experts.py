@@ -24,6 +24,7 @@ from megamoe.core.errors import (
     MissingExpertsError,
     NonFiniteError,
 )
+from megamoe.core.expert_loading import STAGE_WHOLE_RELOAD
 from megamoe.core.experts import MegaMoEExperts
 from megamoe.core.finiteness import NonFiniteLedger
 from megamoe.core.formats import WeightFormat
@@ -51,6 +52,7 @@ def build(
         "weight_format": run_format,
         "checkpoint_format": checkpoint_format,
         "max_num_tokens": 32,
+        "reload_staging_bytes": STAGE_WHOLE_RELOAD,  # the bounded budget: its own tests
         "backend": "reference",
         "prefix": "model.layers.3.mlp.experts",
     }

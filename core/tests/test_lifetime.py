@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megamoe.core.errors import NonFiniteError
+from megamoe.core.expert_loading import STAGE_WHOLE_RELOAD
 from megamoe.core.experts import MegaMoEExperts
 from megamoe.core.formats import WeightFormat
 from megamoe.core.lifetime import assert_freed_without_gc
@@ -50,6 +51,7 @@ def _experts(
         backend="reference",
         device=device,
         prefix="model.layers.2.mlp.experts",
+        reload_staging_bytes=STAGE_WHOLE_RELOAD,
     )
 
 

@@ -17,6 +17,7 @@ import torch
 from megamoe.core.adapters import SyntheticSizes
 from megamoe.core.bitcheck import assert_bitwise_equal
 from megamoe.core.errors import MissingExpertsError, NonFiniteError
+from megamoe.core.expert_loading import STAGE_WHOLE_RELOAD
 from megamoe.core.formats import WeightFormat
 from megamoe.core.parallel import ParallelSettings
 from megamoe.core.testing import synthetic_layer_tensors
@@ -56,7 +57,7 @@ def _empty_block(
 ) -> Glm5NextMegaMoeBlock:
     block = Glm5NextMegaMoeBlock(
         _config(), prefix=PREFIX, parallel=parallel, backend="reference",
-        moe_format=run_format, fuse_shared=fused,
+        moe_format=run_format, fuse_shared=fused, reload_staging_bytes=STAGE_WHOLE_RELOAD,
     )  # fmt: skip
     assert block.fused_shared is fused and (block.shared_experts is None) is fused
     assert block.experts.weight_format is run_format

@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 from megamoe.core import quant
 from megamoe.core.bitcheck import assert_bitwise_equal
 from megamoe.core.errors import IncompleteShardsError, NonFiniteError
+from megamoe.core.expert_loading import STAGE_WHOLE_RELOAD
 from megamoe.core.formats import WeightFormat
+from megamoe.core.l1_order import L1RowOrder
 from megamoe.core.testing import synthetic_expert_tensors
 from megamoe.glm5next import Glm5NextMegaMoEExperts
 
@@ -52,6 +54,7 @@ def _experts(run: WeightFormat = MX, **overrides: Any) -> Glm5NextMegaMoEExperts
         "weight_format": run,
         "checkpoint_format": FP8,
         "backend": "reference",
+        "reload_staging_bytes": STAGE_WHOLE_RELOAD,  # the bounded budget: core's tests
         "prefix": PREFIX,
     }
     kwargs.update(overrides)
@@ -105,6 +108,37 @@ def test_requantized_weights_equal_quant_requantize(chunk: int) -> None:
     assert_bitwise_equal(params["shared_l1_weight_scale"][0], s13, "shared l1 scale")
     assert_bitwise_equal(params["shared_l2_weight"][0], w2, "shared l2")
     assert_bitwise_equal(params["shared_l2_weight_scale"][0], s2, "shared l2 scale")
+
+
+L1_WEIGHTS = ("w13_weight", "shared_l1_weight")
+
+
+@pytest.mark.parametrize("chunk", [1, 8])
+def test_the_kernel_row_order_holds_the_same_bits(chunk: int) -> None:
+    """Stored in DeepGEMM's gate/up row order (groups of 8, as its backend stores them),
+    the in-place first load and a staged reload give the canonical bits, reordered."""
+    routed, shared = _routed(seed=1), _shared(seed=1)
+    new_routed, new_shared = _routed(seed=2), _shared(seed=2)
+    states = []
+    for order in (L1RowOrder(), L1RowOrder(group=8)):
+        module = _experts(num_shared_experts=1)
+        module.l1_order = order  # what the DeepGEMM backend picks (it needs a GPU)
+        _load(module, routed, shared)
+        module.requantize_block_fp8(chunk=chunk)
+        module.finalize()
+        first = {
+            n: order.to_canonical(t) if n in L1_WEIGHTS else t for n, t in _state(module).items()
+        }
+        _load(module, new_routed, new_shared)  # a reload: requantized as it loads, staged
+        module.finalize()
+        second = {
+            n: order.to_canonical(t) if n in L1_WEIGHTS else t for n, t in _state(module).items()
+        }
+        states.append((first, second))
+    (canonical_first, canonical_second), (reordered_first, reordered_second) = states
+    for name in canonical_first:
+        assert_bitwise_equal(reordered_first[name], canonical_first[name], f"first load {name}")
+        assert_bitwise_equal(reordered_second[name], canonical_second[name], f"reload {name}")
 
 
 def test_two_shared_experts_split_the_shared_mlp() -> None:

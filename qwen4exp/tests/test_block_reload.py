@@ -13,6 +13,7 @@ import torch
 from megamoe.core.adapters import SyntheticSizes
 from megamoe.core.bitcheck import assert_bitwise_equal
 from megamoe.core.errors import IncompleteShardsError, NonFiniteError
+from megamoe.core.expert_loading import STAGE_WHOLE_RELOAD
 from megamoe.core.formats import WeightFormat
 from megamoe.core.parallel import ParallelSettings
 from megamoe.core.testing import synthetic_layer_tensors
@@ -43,7 +44,10 @@ def _layer(seed: int) -> Tensors:
 
 
 def _block(parallel: ParallelSettings, tensors: Tensors) -> Qwen4ExpMegaMoeBlock:
-    block = Qwen4ExpMegaMoeBlock(_config(), prefix=PREFIX, parallel=parallel, backend="reference")
+    block = Qwen4ExpMegaMoeBlock(
+        _config(), prefix=PREFIX, parallel=parallel, backend="reference",
+        reload_staging_bytes=STAGE_WHOLE_RELOAD,
+    )  # fmt: skip
     block.load_weights(tensors.items())
     block.finalize()
     return block
@@ -159,8 +163,9 @@ def test_a_failed_reload_then_a_bare_finalize_keeps_the_previous_weights(
 
     def build(tensors: Tensors) -> Qwen4ExpMegaMoeBlock:
         block = Qwen4ExpMegaMoeBlock(
-            config, prefix=PREFIX, parallel=parallel, backend="reference", moe_format=run_format
-        )
+            config, prefix=PREFIX, parallel=parallel, backend="reference", moe_format=run_format,
+            reload_staging_bytes=STAGE_WHOLE_RELOAD,
+        )  # fmt: skip
         assert (block.experts.checkpoint_format, block.experts.weight_format) == (
             checkpoint_format,
             run_format,

@@ -49,6 +49,8 @@ class BlockOptions(TypedDict, total=False):
         emulate_kernel: reference backend: round activations as the kernel does.
         arch: target kernel family (``sm90``, ``sm100``, ``reference``) that decides the
             run format; None derives it from ``backend`` and ``device``.
+        reload_staging_bytes: the most a reload of the routed experts stages before it
+            writes in place (``megamoe.core.expert_loading``); None: 1/16 of their bytes.
     """
 
     moe_format: WeightFormat | str | None
@@ -58,6 +60,7 @@ class BlockOptions(TypedDict, total=False):
     max_num_tokens: int
     emulate_kernel: bool
     arch: str | None
+    reload_staging_bytes: int | None
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,7 @@ class ExpertPlan:
         max_num_tokens: most tokens one forward on this rank may carry.
         emulate_kernel: the ``emulate_kernel`` option.
         swiglu_limit: the model's SwiGLU clamp (``MoEConfig.swiglu_limit``), None for none.
+        reload_staging_bytes: the ``reload_staging_bytes`` option.
         process_group: the expert-parallel group.
     """
 
@@ -100,6 +104,7 @@ class ExpertPlan:
     max_num_tokens: int
     emulate_kernel: bool
     swiglu_limit: float | None = None
+    reload_staging_bytes: int | None = None
     process_group: dist.ProcessGroup | None = field(default=None, compare=False)
 
     @property
@@ -134,6 +139,7 @@ class ExpertPlan:
             prefix=self.experts_prefix,
             emulate_kernel=self.emulate_kernel,
             swiglu_limit=self.swiglu_limit,
+            reload_staging_bytes=self.reload_staging_bytes,
             **extra,
         )
 
@@ -151,6 +157,7 @@ def plan_experts(
     max_num_tokens: int = 256,
     emulate_kernel: bool = False,
     arch: str | None = None,
+    reload_staging_bytes: int | None = None,
 ) -> ExpertPlan:
     """Check the settings of one MoE block and decide its experts' split and formats.
 
@@ -170,6 +177,7 @@ def plan_experts(
         max_num_tokens: see ``BlockOptions``.
         emulate_kernel: see ``BlockOptions``.
         arch: see ``BlockOptions``.
+        reload_staging_bytes: see ``BlockOptions``.
 
     Returns:
         The plan.
@@ -223,6 +231,7 @@ def plan_experts(
         max_num_tokens=max_num_tokens,
         emulate_kernel=emulate_kernel,
         swiglu_limit=config.swiglu_limit,
+        reload_staging_bytes=reload_staging_bytes,
         process_group=parallel.ep_group,
     )
 

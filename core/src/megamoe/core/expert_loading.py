@@ -7,14 +7,22 @@ tensor). A quantized weight is paired with its scale (``ShardPairing``) and the 
 shard is converted to the run format on the device (a Triton conversion reports its
 non-finite flag to the same ledger). Before the module first serves (its first
 ``finalize()``), shards are written straight into the kernel tensors; afterwards they are
-staged (``PendingUpdate``) and ``finalize()`` commits them, so any error while loading an
-update discards it and the previous weights keep serving.
+staged (``PendingUpdate``) and ``finalize()`` commits them.
 
-Memory between ``load_*`` calls and ``finalize()``: checkpoint halves waiting for their
-partner (on the device within a budget, see ``arrival``) and one shard's conversion
-workspace; during a reload, plus the run-format bytes of the shards it changes (replicas
-of one logical expert share one copy): a reload of every expert holds a second copy of
-the weights until ``finalize()``.
+Reloads and their memory bound: a reload stages at most ``reload_staging_bytes`` of
+run-format shards (default ``RELOAD_STAGING_SHARE`` of the layer's kernel bytes). An
+update that fits keeps the previous weights serving whatever happens: any error discards
+it. A larger one writes its staged shards in place each time the budget fills, after
+reading back the checks of every tensor loaded so far (one host sync), so nothing
+unchecked is ever written; ``forward`` then refuses until ``finalize()`` completes the
+update. If such an update fails after its first in-place write, the layer keeps refusing
+to serve and ``finalize()`` names the shards it wrote in place until they are loaded
+again: a half update is never served.
+
+Memory between ``load_*`` calls and ``finalize()``, beyond the kernel tensors: checkpoint
+halves waiting for their partner (at most ``arrival.UNPAIRED_DEVICE_SHARE`` of the kernel
+bytes on the device), one shard's conversion workspace and, during a reload, at most
+``reload_staging_bytes`` staged.
 """
 
 from __future__ import annotations
@@ -25,11 +33,19 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from megamoe.core import quant
+from megamoe.core import nvfp4, quant
 from megamoe.core.arrival import DeviceArrival
 from megamoe.core.expert_layout import ExpertLayout, Specs
-from megamoe.core.expert_names import FUSED_DOWN, FUSED_GATE_UP, parse_expert_name, weight_kinds
+from megamoe.core.expert_names import (
+    FUSED_DOWN,
+    FUSED_GATE_UP,
+    GLOBAL_SCALE,
+    checkpoint_kinds,
+    pairing_kinds,
+    parse_expert_name,
+)
 from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
+from megamoe.core.l1_order import L1RowOrder
 from megamoe.core.pairing import (
     PROJ_TO_SHARD,
     SHARD_DOWN,
@@ -44,6 +60,10 @@ from megamoe.core.staging import PendingUpdate
 
 SCALE = "scale"  # kind of a run-format scale half handed to weight_loader
 WEIGHT = "weight"
+RELOAD_STAGING_SHARE = 1 / 16  # default reload staging budget, of the kernel tensors' bytes
+# reload_staging_bytes that stages any reload whole: a failed one always leaves the previous
+# weights serving, at the cost of a second copy of the weights during a full reload.
+STAGE_WHOLE_RELOAD = 1 << 62
 
 
 class ExpertLoading(abc.ABC):
@@ -57,16 +77,25 @@ class ExpertLoading(abc.ABC):
     num_shared_experts: int
     hidden_size: int
     intermediate_size: int
+    l1_order: L1RowOrder
 
     @property
     @abc.abstractmethod
     def kernel_params(self) -> dict[str, torch.nn.Parameter]:
         """The kernel tensors by name."""
 
-    def _init_loading(self) -> None:
-        """Empty pairings and an empty pending update (called by the constructor)."""
-        scale_name = self.checkpoint_format.scale_name
-        self._ckpt_halves = (WEIGHT,) if scale_name is None else (WEIGHT, scale_name)
+    @abc.abstractmethod
+    def _invalidate(self) -> None:
+        """Refuse ``forward`` until the next ``finalize()``."""
+
+    def _init_loading(self, reload_staging_bytes: int | None = None) -> None:
+        """Empty pairings and an empty pending update (called by the constructor).
+
+        Args:
+            reload_staging_bytes: most bytes a reload stages before it writes in place;
+                None takes ``RELOAD_STAGING_SHARE`` of the kernel tensors' bytes.
+        """
+        self._ckpt_halves = pairing_kinds(self.checkpoint_format)
         run_scaled = self.weight_format.scale_name is not None
         self._pairing = ShardPairing(self._ckpt_halves, prefix=self.layout.label)
         self._run_pairing = ShardPairing(
@@ -79,6 +108,20 @@ class ExpertLoading(abc.ABC):
         kernel_bytes = sum(p.nbytes for p in self.kernel_params.values())
         self._arrival = DeviceArrival(self.device, self.layout.label, kernel_bytes)
         self._guard_depth = 0
+        if reload_staging_bytes is not None and reload_staging_bytes < 0:
+            raise ValueError(
+                f"{self.layout.label}: reload_staging_bytes={reload_staging_bytes} must be "
+                ">= 0 (0 writes every reloaded shard in place)"
+            )
+        self.reload_staging_bytes = (
+            int(RELOAD_STAGING_SHARE * kernel_bytes)
+            if reload_staging_bytes is None
+            else reload_staging_bytes
+        )
+        # Shards the current reload wrote in place (over budget), and those a failed one
+        # wrote and no update has rewritten yet: finalize() refuses while any remain.
+        self._in_place: set[tuple[int, str]] = set()
+        self._unrepaired: set[tuple[int, str]] = set()
 
     @contextlib.contextmanager
     def _update_guard(self) -> Iterator[None]:
@@ -99,7 +142,13 @@ class ExpertLoading(abc.ABC):
             self._guard_depth -= 1
 
     def discard_pending(self) -> None:
-        """Forget every tensor loaded since the last ``finalize()`` (none was written yet)."""
+        """Forget every tensor loaded since the last ``finalize()``.
+
+        Shards a reload already wrote in place (beyond its staging budget) cannot be taken
+        back: they are remembered, and ``finalize()`` refuses until they are loaded again.
+        """
+        self._unrepaired |= self._in_place
+        self._in_place.clear()
         self._pairing.clear()
         self._run_pairing.clear()
         self._pending.clear()
@@ -108,8 +157,28 @@ class ExpertLoading(abc.ABC):
 
     @property
     def pending_bytes(self) -> int:
-        """Device bytes held by the pending update (at most the changed shards' final size)."""
+        """Device bytes held by the pending update (at most ``reload_staging_bytes``)."""
         return self._pending.nbytes()
+
+    @property
+    def unrepaired_shards(self) -> set[tuple[int, str]]:
+        """``(slot, shard id)`` a failed reload wrote in place and no update rewrote since."""
+        return set(self._unrepaired)
+
+    def _write_in_place(self) -> None:
+        """Over budget: check every tensor loaded so far, then write the staged shards in place.
+
+        From here until ``finalize()`` the layer refuses ``forward`` (part of it is new).
+
+        Raises:
+            NonFiniteError / InvalidScaleError: a tensor loaded so far is bad; nothing has
+                been written then.
+        """
+        self._arrival.ledger.check()
+        self._invalidate()
+        for (slot, shard_id), (weight, scale) in self._pending.take():
+            self._commit(slot, shard_id, weight, scale)
+            self._in_place.add((slot, shard_id))
 
     @property
     def checkpoint_halves(self) -> tuple[str, ...]:
@@ -245,7 +314,7 @@ class ExpertLoading(abc.ABC):
 
     def expected_names(self) -> str:
         """The tensor-name pattern ``load_weights`` takes, for messages."""
-        kinds = {*weight_kinds(self.checkpoint_format), *self._ckpt_halves}
+        kinds = set(checkpoint_kinds(self.checkpoint_format))
         pattern = "{expert}.{gate,up,down}_proj.{" + ",".join(sorted(kinds)) + "}"
         if self.checkpoint_format is WeightFormat.BF16:
             pattern += f" or fused {FUSED_GATE_UP} / {FUSED_DOWN}"
@@ -272,7 +341,7 @@ class ExpertLoading(abc.ABC):
                 tensor of a quantized checkpoint, or as ``load_expert_tensor``.
             NonFiniteError: a tensor holds NaN or infinity.
         """
-        kinds = {*weight_kinds(self.checkpoint_format), *self._ckpt_halves}
+        kinds = set(checkpoint_kinds(self.checkpoint_format))
         accepted: set[str] = set()
         with self._update_guard():
             for name, tensor in weights:
@@ -321,6 +390,11 @@ class ExpertLoading(abc.ABC):
     def _load_source(self, key: ShardKey, kind: str, tensor: torch.Tensor, what: str) -> set[str]:
         """Check one checkpoint half, pair it, and convert the shard once it is complete."""
         slot, shard_id = key
+        if self.checkpoint_format is WeightFormat.NVFP4:  # one global-scale kind, no input scales
+            half = nvfp4.loaded_half(kind, tensor, f"{self.layout.label}: {what} {kind}")
+            if half is None:
+                return set()
+            kind, tensor = half
         if shard_id not in SHARD_IDS or kind not in self._ckpt_halves:
             raise ValueError(
                 f"{self.layout.label}: {what}: shard id {shard_id!r} / kind {kind!r}; expected "
@@ -329,7 +403,8 @@ class ExpertLoading(abc.ABC):
         fmt = self.checkpoint_format
         specs = self.layout.specs(fmt, shard_id, whole_shared=slot is None)
         name = f"{what} {SHARD_TO_PROJ[shard_id]}.{kind}"
-        self._check_spec(name, tensor, fmt, specs, kind)
+        if kind != GLOBAL_SCALE:  # loaded_half checked NVFP4's global scale
+            self._check_spec(name, tensor, fmt, specs, kind)
         ue8m0 = kind != WEIGHT and fmt.is_mx
         block_scale = kind != WEIGHT and fmt is WeightFormat.FP8_BLOCK
         parts = self._arrival.arrive(
@@ -371,9 +446,11 @@ class ExpertLoading(abc.ABC):
         defer conversion override this and convert in ``MegaMoEExperts._prepare_update``.
         """
         slot, shard_id = key
-        scale_name = self.checkpoint_format.scale_name
-        source_scale = None if scale_name is None else parts[scale_name]
         what = "shared expert" if slot is None else f"expert {self.layout.logical_of(slot)}"
+        source_scale = nvfp4.shard_scale(
+            self.checkpoint_format, parts, f"{self.layout.label}: {what} {shard_id}"
+        )
+        nvfp4.warn_requantized(self.layout.label, self.checkpoint_format, self.weight_format)
         weight, scale = self.requantize_shard(
             parts[WEIGHT], source_scale, name=f"{what} {shard_id}"
         )
@@ -466,6 +543,8 @@ class ExpertLoading(abc.ABC):
             scale = scale.to(self.device)
         if self._serving:
             self._pending.stage(local_slot, shard_id, weight.to(self.device), scale)
+            if self._pending.held_bytes > self.reload_staging_bytes:
+                self._write_in_place()
         else:
             self._commit(local_slot, shard_id, weight, scale)
             self._direct.add((local_slot, shard_id))
@@ -473,16 +552,24 @@ class ExpertLoading(abc.ABC):
     def _commit(
         self, slot: int, shard_id: str, weight: torch.Tensor, scale: torch.Tensor | None
     ) -> None:
-        """Copy one shard into the kernel tensors, in place (they keep their storage)."""
+        """Copy one shard into the kernel tensors, in place (they keep their storage).
+
+        First-projection weight rows go where ``l1_order`` puts them; scales keep the
+        canonical ``[gate | up]`` order.
+        """
         stem, index = self.layout.slot_param(slot, shard_id)
         params = self.kernel_params
         for suffix, value in ((WEIGHT, weight), ("weight_scale", scale)):
-            if value is not None:
-                target = params[f"{stem}_{suffix}"].data[index]
-                rows = value.shape[0]
-                if shard_id != SHARD_DOWN:  # gate rows first, then up rows
-                    target = target[:rows] if shard_id == "w1" else target[rows:]
+            if value is None:
+                continue
+            target = params[f"{stem}_{suffix}"].data[index]
+            if shard_id == SHARD_DOWN:
                 target.copy_(value)
+            elif suffix == WEIGHT:
+                self.l1_order.write(target, shard_id, value)
+            else:
+                rows = value.shape[0]
+                (target[:rows] if shard_id == SHARD_GATE else target[rows:]).copy_(value)
 
 
 def split_shared_shard(tensor: torch.Tensor, n: int, s: int, shard_id: str) -> torch.Tensor:

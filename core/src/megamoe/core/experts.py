@@ -30,7 +30,9 @@ class MegaMoEExperts(ExpertLoading, torch.nn.Module):
     ``S = num_shared_experts``, ``H' = H / 2`` and ``I' = I / 2`` for MXFP4 (packed), else
     ``H``, ``I``:
 
-    - ``w13_weight`` (E, 2I, H'): gate rows, then up rows. ``w2_weight`` (E, H, I').
+    - ``w13_weight`` (E, 2I, H'): gate and up rows, in the order the backend's kernel reads
+      (``l1_order``: ``[gate | up]``, or interleaved in groups of 8 for DeepGEMM), so the
+      kernel reads these tensors themselves. ``w2_weight`` (E, H, I').
     - ``w13_weight_scale`` / ``w2_weight_scale``: FP8_BLOCK float32 (E, 2I/128, H/128) and
       (E, H/128, I/128), gate blocks then up blocks; MXFP8/MXFP4 uint8 UE8M0 (E, 2I, H/32)
       and (E, H, I/32); none for BF16.
@@ -58,6 +60,8 @@ class MegaMoEExperts(ExpertLoading, torch.nn.Module):
         emulate_kernel: reference backend only: round activations as the kernel does.
         swiglu_limit: clamp the SwiGLU inputs (gate <= L, -L <= up <= L; see
             ``megamoe.core.swiglu``) in routed and fused shared experts; None for none.
+        reload_staging_bytes: the most a reload stages before it writes in place (see
+            ``megamoe.core.expert_loading``); None: 1/16 of the kernel tensors' bytes.
 
     Raises:
         ValueError: a size or placement that cannot run (before anything is allocated).
@@ -84,6 +88,7 @@ class MegaMoEExperts(ExpertLoading, torch.nn.Module):
         prefix: str = "",
         emulate_kernel: bool = False,
         swiglu_limit: float | None = None,
+        reload_staging_bytes: int | None = None,
     ) -> None:
         super().__init__()
         self.prefix, self.emulate_kernel, self.process_group = prefix, emulate_kernel, process_group
@@ -103,11 +108,12 @@ class MegaMoEExperts(ExpertLoading, torch.nn.Module):
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self.backend = resolve_backend(backend, self.weight_format, self.device)
         self.backend.check_layer(self)
+        self.l1_order = self.backend.l1_row_order(self)
         self.kernel_tag = KernelTag.for_format(
-            self.weight_format, num_shared_experts, self.swiglu_limit
+            self.weight_format, num_shared_experts, self.swiglu_limit, self.l1_order.group
         )
         self._allocate()
-        self._init_loading()
+        self._init_loading(reload_staging_bytes)
         self._written: set[tuple[int, str]] = set()
         self._finalized = False
 
@@ -184,13 +190,25 @@ class MegaMoEExperts(ExpertLoading, torch.nn.Module):
         Raises:
             IncompleteShardsError: a shard received only its weight or only its scale (the
                 update stays pending: load the missing halves and finalize again).
-            MissingExpertsError: names the kernel slots never written (update stays pending).
+            MissingExpertsError: names the kernel slots never written (update stays pending),
+                or the shards a failed reload wrote in place that no update rewrote yet.
         """
         with self._update_guard():
             self._prepare_update()
         self._pairing.check_complete()
         self._run_pairing.check_complete()
-        changed_shards = self._pending.keys() | self._direct
+        changed_shards = self._pending.keys() | self._direct | self._in_place
+        self._unrepaired -= changed_shards
+        if self._unrepaired:
+            listed = format_keys(
+                f"{self.layout.slot_label(s)}: {sh}" for s, sh in sorted(self._unrepaired)
+            )
+            raise MissingExpertsError(
+                f"{self.layout.label}: a reload that failed had written "
+                f"{len(self._unrepaired)} shard(s) in place, beyond reload_staging_bytes="
+                f"{self.reload_staging_bytes}: {listed}; the layer serves nothing until they "
+                "are loaded again (load the whole update again, then finalize())"
+            )
         present = self._written | changed_shards
         missing: dict[int, list[str]] = {}
         for slot in range(self.layout.num_slots):
@@ -209,6 +227,7 @@ class MegaMoEExperts(ExpertLoading, torch.nn.Module):
             self._commit(slot, shard_id, weight, scale)
         self._written |= changed_shards
         self._direct.clear()
+        self._in_place.clear()
         changed = sorted({slot for slot, _ in changed_shards})
         if changed:
             self.backend.prepare(self, changed)

@@ -1,9 +1,9 @@
 """One pending weight update: run-format shards held until ``finalize()`` commits them.
 
 Holding an update aside until every check passed is what lets a reload that fails midway
-leave the previous weights serving (SPEC §5, "Safe reload"). The memory it costs is at most
-the final run-format bytes of the shards changed by the update; replicas of one logical
-expert share one staged copy.
+leave the previous weights serving. The experts hold at most a budget of staged bytes
+(``expert_loading``: beyond it they write in place); replicas of one logical expert share
+one staged copy.
 """
 
 from __future__ import annotations
@@ -18,12 +18,22 @@ class PendingUpdate:
 
     def __init__(self) -> None:
         self._shards: dict[SlotShard, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._held = 0  # bytes of the staged tensors, replicas counted apart (an upper bound)
 
     def stage(
         self, slot: int, shard_id: str, weight: torch.Tensor, scale: torch.Tensor | None
     ) -> None:
         """Hold one shard of one kernel slot; a newer shard for the same key replaces it."""
+        old = self._shards.get((slot, shard_id))
+        if old is not None:
+            self._held -= _pair_bytes(old)
         self._shards[(slot, shard_id)] = (weight, scale)
+        self._held += _pair_bytes((weight, scale))
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes staged, counting replicas that share a storage once each (cheap upper bound)."""
+        return self._held
 
     def keys(self) -> set[SlotShard]:
         """The staged ``(slot, shard id)`` keys."""
@@ -45,9 +55,14 @@ class PendingUpdate:
     def take(self) -> list[tuple[SlotShard, tuple[torch.Tensor, torch.Tensor | None]]]:
         """Hand out every staged shard (sorted by key) and forget them."""
         items = sorted(self._shards.items())
-        self._shards.clear()
+        self.clear()
         return items
 
     def clear(self) -> None:
         """Drop the update."""
         self._shards.clear()
+        self._held = 0
+
+
+def _pair_bytes(pair: tuple[torch.Tensor, torch.Tensor | None]) -> int:
+    return sum(t.nbytes for t in pair if t is not None)

@@ -27,12 +27,15 @@ class KernelTag:
         scale_block: rows x columns covered by one scale (None for BF16).
         num_shared_experts: fused shared experts behind the routed ones.
         swiglu_limit: the SwiGLU clamp (``megamoe.core.swiglu``), None for none.
+        l1_row_group: the gate/up row interleave of first-projection weights
+            (``megamoe.core.l1_order``; 0 for ``[gate | up]``).
     """
 
     weight_format: WeightFormat
     scale_block: tuple[int, int] | None
     num_shared_experts: int
     swiglu_limit: float | None = None
+    l1_row_group: int = 0
 
     @classmethod
     def for_format(
@@ -40,15 +43,19 @@ class KernelTag:
         weight_format: WeightFormat,
         num_shared_experts: int = 0,
         swiglu_limit: float | None = None,
+        l1_row_group: int = 0,
     ) -> KernelTag:
         """The tag of ``weight_format`` with its own scale granularity."""
-        return cls(weight_format, weight_format.scale_block, num_shared_experts, swiglu_limit)
+        return cls(
+            weight_format, weight_format.scale_block, num_shared_experts, swiglu_limit, l1_row_group
+        )
 
     @property
     def buffer_tag(self) -> KernelTag:
-        """The tag of a symmetric buffer serving these weights (without the clamp).
+        """The tag of a symmetric buffer serving these weights (no clamp, no row order).
 
-        The clamp is a kernel argument, so one buffer serves layers of any clamp.
+        The clamp is a kernel argument and the row order a property of the weights, so one
+        buffer serves layers of any clamp.
         """
         return KernelTag(self.weight_format, self.scale_block, self.num_shared_experts)
 
@@ -56,7 +63,10 @@ class KernelTag:
         """Short human-readable form for error messages."""
         block = "no scale" if self.scale_block is None else "x".join(map(str, self.scale_block))
         clamp = "no clamp" if self.swiglu_limit is None else f"clamp {self.swiglu_limit:g}"
-        return f"{self.weight_format.value} ({block}, {self.num_shared_experts} shared, {clamp})"
+        rows = f", gate/up rows in groups of {self.l1_row_group}" if self.l1_row_group else ""
+        return (
+            f"{self.weight_format.value} ({block}, {self.num_shared_experts} shared, {clamp}{rows})"
+        )
 
 
 def tag(obj: object, kernel_tag: KernelTag) -> None:

@@ -178,25 +178,48 @@ class Glm5NextMegaMoEExperts(MegaMoEExperts):
         # From here until requantize_block_fp8() the kernel tensors are inconsistent.
         self._invalidate()
         for target, part_weight, part_scale in targets:
-            weight_view, scale_view = self._block_views(target, shard_id)
-            weight_view.copy_(part_weight)
-            scale_view.copy_(part_scale)
+            self._write_block_shard(target, shard_id, part_weight, part_scale)
             self._new_shards.add((target, shard_id))
 
-    def _block_views(self, slot: int, shard_id: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The kernel weight rows and the staged block-scale rows of one slot's shard."""
+    def _write_block_shard(
+        self, slot: int, shard_id: str, weight: torch.Tensor, scale: torch.Tensor
+    ) -> None:
+        """Write one slot's E4M3 shard into the kernel weight, its block scale aside."""
         stem, index = self.layout.slot_param(slot, shard_id)
-        weight = getattr(self, f"{stem}_weight").data[index]
-        scale = getattr(self, f"{stem}_{BLOCK_SCALE}")[index]
+        stored = getattr(self, f"{stem}_weight").data[index]
+        staged = getattr(self, f"{stem}_{BLOCK_SCALE}")[index]
         if shard_id == SHARD_DOWN:
-            return weight, scale
-        rows, scale_rows = (
-            self.intermediate_size,
-            self.intermediate_size // self.weight_block_size[0],
-        )
-        if shard_id == SHARD_GATE:
-            return weight[:rows], scale[:scale_rows]
-        return weight[rows:], scale[scale_rows:]
+            stored.copy_(weight)
+            staged.copy_(scale)
+            return
+        self.l1_order.write(stored, shard_id, weight)
+        scale_rows = self.intermediate_size // self.weight_block_size[0]
+        (staged[:scale_rows] if shard_id == SHARD_GATE else staged[scale_rows:]).copy_(scale)
+
+    def _rows(self, stem: str, r0: int, r1: int) -> tuple[str, ...]:
+        """The shards rows ``r0:r1`` of a ``stem`` weight cover (empty for l2 weights)."""
+        if stem not in ("w13", "shared_l1"):
+            return ()
+        i = self.intermediate_size
+        return tuple(sh for sh, lo in ((SHARD_GATE, 0), (SHARD_UP, i)) if r0 <= lo < r1)
+
+    def _read_rows(self, stem: str, weight: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+        """Canonical rows ``r0:r1`` of one slot's stored ``stem`` weight (a copy if reordered)."""
+        shards = self._rows(stem, r0, r1)
+        if not shards:
+            return weight[r0:r1]
+        return torch.cat([self.l1_order.read(weight, sh) for sh in shards])
+
+    def _write_rows(
+        self, stem: str, weight: torch.Tensor, r0: int, r1: int, value: torch.Tensor
+    ) -> None:
+        """Write canonical rows ``r0:r1`` of one slot's stored ``stem`` weight."""
+        shards = self._rows(stem, r0, r1)
+        if not shards:
+            weight[r0:r1].copy_(value)
+            return
+        for sh, part in zip(shards, value.chunk(len(shards)), strict=True):
+            self.l1_order.write(weight, sh, part)
 
     # -- requantization --------------------------------------------------------------------
 
@@ -251,7 +274,9 @@ class Glm5NextMegaMoEExperts(MegaMoEExperts):
             b0, b1 = r0 // self.weight_block_size[0], r1 // self.weight_block_size[0]
             for start in range(0, len(items), chunk):
                 part = items[start : start + chunk]
-                src_weight = torch.stack([weight[index, r0:r1] for _, index, _ in part])
+                src_weight = torch.stack(
+                    [self._read_rows(stem, weight[index], r0, r1) for _, index, _ in part]
+                )
                 src_scale = torch.stack([block_scale[index, b0:b1] for _, index, _ in part])
                 if not quant.is_power_of_two(src_scale):
                     quant.warn_not_power_of_two(self.layout.label, KEEP_BLOCK_FP8_HINT)
@@ -264,7 +289,7 @@ class Glm5NextMegaMoEExperts(MegaMoEExperts):
                     name=f"{self.layout.label} {stem}[{r0}:{r1}]",
                 )
                 for j, (slot, index, shard_ids) in enumerate(part):
-                    weight[index, r0:r1].copy_(new_weight[j])
+                    self._write_rows(stem, weight[index], r0, r1, new_weight[j])
                     mx_scale[index, r0:r1].copy_(new_scale[j])
                     for shard_id in shard_ids:
                         self._new_shards.discard((slot, shard_id))

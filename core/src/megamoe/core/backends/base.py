@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from megamoe.core.formats import WeightFormat
+from megamoe.core.l1_order import L1RowOrder
 
 if TYPE_CHECKING:
     from megamoe.core.experts import MegaMoEExperts
@@ -17,10 +18,11 @@ if TYPE_CHECKING:
 class ExpertsBackend(abc.ABC):
     """Runs a ``MegaMoEExperts`` module's forward from its canonical kernel-form tensors.
 
-    ``MegaMoEExperts`` owns the canonical tensors (``w13_weight`` gate rows then up rows,
-    ``w2_weight`` and their scales). A backend may keep its own physical layout of them,
-    built by ``prepare`` for the local experts that changed, and must then update it in
-    place so addresses captured by CUDA graphs stay valid.
+    ``MegaMoEExperts`` owns the weights (``w13_weight``: gate and up rows in the order
+    ``l1_row_order`` gives, ``w2_weight`` and their scales). A backend may keep its own
+    physical layout of what its kernel cannot read from them, built by ``prepare`` for the
+    local experts that changed, and must then update it in place so addresses captured by
+    CUDA graphs stay valid.
 
     Backends are constructed without arguments (``backends.select.resolve_backend``); what
     they need comes from the experts module handed to each call. Local expert ids handed to
@@ -49,6 +51,23 @@ class ExpertsBackend(abc.ABC):
             CapabilityError: a setting the installed kernel lacks.
         """
         del experts
+
+    @property
+    def kernel_weights(self) -> dict[str, torch.Tensor]:
+        """Tensors the backend's kernel reads, by name, views of the experts' own included.
+
+        The default keeps none.
+        """
+        return {}
+
+    def l1_row_order(self, experts: MegaMoEExperts) -> L1RowOrder:
+        """The order the experts store gate and up rows in: the one this kernel reads.
+
+        Called once, after ``check_layer``, before the weights are allocated. The default
+        is the canonical ``[gate | up]``.
+        """
+        del experts
+        return L1RowOrder()
 
     @abc.abstractmethod
     def prepare(self, experts: MegaMoEExperts, local_ids: Sequence[int]) -> None:

@@ -13,10 +13,10 @@ Kernel kinds, chosen by the device architecture and the run format:
 - ``bf16xbf16`` (SM100, BF16): ``bf16_mega_moe``.
 
 What the installed DeepGEMM can do is read from its API (the functions it exposes), never
-from version strings. The physical layout is built expert by expert into kernel tensors
-allocated once (pieces the transform leaves unchanged are the experts module's canonical
-tensors themselves), so finalizing needs at most a few experts' worth of temporary memory,
-and a reload rewrites only the changed experts, in place.
+from version strings. The experts store their weights in the kernel's row order, so the
+kernel reads them in place; what the kernel needs beyond them (SM100's packed scales) is
+built expert by expert into tensors allocated once (``deepgemm_layout``), so finalizing
+needs one expert's temporaries, and a reload rewrites only the changed experts, in place.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from megamoe.core.backends.deepgemm_layout import (
     KIND_FP8XFP4,
     KIND_FP8XFP8,
     KIND_SM90,
+    L1_ROW_ORDER,
     KernelLayout,
     transform_expert,
 )
@@ -56,6 +57,7 @@ from megamoe.core.formats import (
     WeightFormat,
     detect_arch,
 )
+from megamoe.core.l1_order import L1RowOrder
 from megamoe.core.tagging import check_tags
 
 if TYPE_CHECKING:
@@ -266,6 +268,11 @@ class DeepGemmBackend(ExpertsBackend):
                 "(intermediate / 64 <= 64); use backend='reference' for this layer"
             )
         check_group(experts.process_group)
+
+    def l1_row_order(self, experts: MegaMoEExperts) -> L1RowOrder:
+        """Gate and up rows interleaved in groups of 8: what every MegaMoE kernel reads."""
+        del experts
+        return L1_ROW_ORDER
 
     def prepare(self, experts: MegaMoEExperts, local_ids: Sequence[int]) -> None:
         """Build or refresh the kernel layout of the given experts, in place.

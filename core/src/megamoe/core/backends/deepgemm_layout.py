@@ -1,12 +1,17 @@
 """DeepGEMM MegaMoE's physical layout of one rank's experts, built expert by expert.
 
-DeepGEMM's own transforms (``transform_weights_for_mega_moe_sm90`` on Hopper;
-``transform_sf_into_required_layout`` + ``transform_weights_for_mega_moe`` on SM100) run
-on one expert at a time, and each result is copied into kernel tensors allocated once for
-all local experts. Finalizing therefore needs only a few experts' worth of temporary
-memory, and a reload rewrites the changed experts in place (addresses captured by CUDA
-graphs stay valid). Pieces the transform returns unchanged (Hopper: the block scales and
-``w2``; SM100: ``w2``) are not copied: the kernel reads the canonical tensors themselves.
+The experts store ``w13`` with gate and up rows interleaved in groups of 8, the order
+DeepGEMM's kernels read (``megamoe.core.l1_order``), so the weights need no copy of their
+own: the kernel reads the experts' tensors. DeepGEMM's own transforms
+(``transform_weights_for_mega_moe_sm90`` on Hopper; ``transform_sf_into_required_layout``
++ ``transform_weights_for_mega_moe`` on SM100) still run on each expert that changed, from
+a one-expert canonical temporary: the weights they return must equal the stored ones bit
+for bit (a DeepGEMM whose layout differs is refused, never run on the wrong order), and
+the scales they repack (SM100: packed UE8M0 in DeepGEMM's layout) are copied into tensors
+allocated once for all local experts. Pieces returned unchanged (Hopper: the block scales
+and ``w2``; SM100: ``w2``) are the experts' tensors themselves. Finalizing needs only one
+expert's temporaries, and a reload rewrites the changed experts in place (addresses
+captured by CUDA graphs stay valid).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megamoe.core.l1_order import L1RowOrder
 from megamoe.core.tagging import KernelTag, tag
 
 if TYPE_CHECKING:
@@ -28,12 +34,13 @@ KIND_BF16 = "bf16xbf16"  # bf16_mega_moe
 MX_GROUP = 32  # columns per UE8M0 scale
 UE8M0_SHIFT = 23  # a UE8M0 exponent is the float32 exponent field: bits 23..30
 PIECES = ("l1_weight", "l1_scale", "l2_weight", "l2_scale")
+L1_ROW_ORDER = L1RowOrder(group=8)  # gate/up rows as every MegaMoE kernel reads them
 
 Pieces = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
 
-def _canonical(experts: MegaMoEExperts) -> Pieces:
-    """The experts' canonical (w13, w13 scale, w2, w2 scale), None where a format has none."""
+def _stored(experts: MegaMoEExperts) -> Pieces:
+    """The experts' (w13, w13 scale, w2, w2 scale), None where a format has none."""
     params = experts.kernel_params
     names = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
     found = [params[n].data if n in params else None for n in names]
@@ -41,7 +48,7 @@ def _canonical(experts: MegaMoEExperts) -> Pieces:
 
 
 def _require(tensor: torch.Tensor | None, what: str) -> torch.Tensor:
-    """``tensor``, or a RuntimeError naming the missing canonical tensor."""
+    """``tensor``, or a RuntimeError naming the missing experts tensor."""
     if tensor is None:
         raise RuntimeError(f"the experts module has no {what} (its run format does not match)")
     return tensor
@@ -59,30 +66,61 @@ def transform_expert(
         slot: the local expert.
 
     Returns:
-        ``(pieces, canonical)``: the expert's (l1 weight, l1 scale, l2 weight, l2 scale) in
-        the kernel's layout, each (1, ...), and the full canonical tensors each piece may
-        be an unchanged slice of (None where it cannot be).
+        ``(pieces, stored)``: the expert's (l1 weight, l1 scale, l2 weight, l2 scale) in
+        the kernel's layout, each (1, ...), and the experts' full tensors each piece may be
+        an unchanged slice of (None where it cannot be). The l1 weight is the stored slice.
+
+    Raises:
+        RuntimeError: DeepGEMM's l1 weight layout differs from the stored row order.
     """
-    w13, s13, w2, s2 = _canonical(experts)
+    w13, s13, w2, s2 = _stored(experts)
     w13, w2 = _require(w13, "w13_weight"), _require(w2, "w2_weight")
+    if experts.l1_order != L1_ROW_ORDER:
+        raise RuntimeError(
+            f"{experts.layout.label}: w13 is stored in {experts.l1_order}, not the order the "
+            "DeepGEMM kernels read; build the experts with backend='deepgemm'"
+        )
+    if kind == KIND_FP8XFP4:  # DeepGEMM takes packed E2M1 pairs as int8
+        w13, w2 = w13.view(torch.int8), w2.view(torch.int8)
     one = slice(slot, slot + 1)
+    l1 = L1_ROW_ORDER.to_canonical(w13[one])  # one expert's temporary, [gate | up]
     if kind == KIND_SM90:
         s13, s2 = _require(s13, "w13_weight_scale"), _require(s2, "w2_weight_scale")
         (a, b), (c, d) = module.transform_weights_for_mega_moe_sm90(
-            (w13[one], s13[one]), (w2[one], s2[one])
+            (l1, s13[one]), (w2[one], s2[one])
         )
-        return (a, b, c, d), (w13, s13, w2, s2)
+        return (_as_stored(a, w13[one], experts, slot), b, c, d), (w13, s13, w2, s2)
     if kind == KIND_BF16:
-        a, c = module.transform_weights_for_mega_moe(w13[one], w2[one])
-        return (a, None, c, None), (w13, None, w2, None)
+        a, c = module.transform_weights_for_mega_moe(l1, w2[one])
+        return (_as_stored(a, w13[one], experts, slot), None, c, None), (w13, None, w2, None)
     s13, s2 = _require(s13, "w13_weight_scale"), _require(s2, "w2_weight_scale")
-    if kind == KIND_FP8XFP4:  # DeepGEMM takes packed E2M1 pairs as int8
-        w13, w2 = w13.view(torch.int8), w2.view(torch.int8)
     h, i = experts.hidden_size, experts.intermediate_size
     sf13 = sm100_scale(module, s13[one], 2 * i, h)
     sf2 = sm100_scale(module, s2[one], h, i)
-    (a, b), (c, d) = module.transform_weights_for_mega_moe((w13[one], sf13), (w2[one], sf2))
-    return (a, b, c, d), (w13, None, w2, None)
+    (a, b), (c, d) = module.transform_weights_for_mega_moe((l1, sf13), (w2[one], sf2))
+    return (_as_stored(a, w13[one], experts, slot), b, c, d), (w13, None, w2, None)
+
+
+def _as_stored(
+    piece: torch.Tensor, stored: torch.Tensor, experts: MegaMoEExperts, slot: int
+) -> torch.Tensor:
+    """``stored`` when DeepGEMM's transformed l1 weight equals it bit for bit.
+
+    Raises:
+        RuntimeError: they differ: this DeepGEMM reads another row order than megamoe
+            stores, and running it would be silently wrong.
+    """
+    same = piece.shape == stored.shape and torch.equal(
+        piece.contiguous().view(torch.uint8), stored.contiguous().view(torch.uint8)
+    )
+    if not same:
+        raise RuntimeError(
+            f"{experts.layout.label}: deep_gemm's weight transform laid out expert slot "
+            f"{slot}'s w13 rows differently from the order megamoe stores them in "
+            f"({L1_ROW_ORDER}); this DeepGEMM build is not supported: report it with its "
+            "version, or use backend='reference'"
+        )
+    return stored
 
 
 def sm100_scale(module: ModuleType, scale_ue8m0: torch.Tensor, mn: int, k: int) -> torch.Tensor:
