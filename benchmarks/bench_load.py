@@ -6,16 +6,21 @@ tensors in Hugging Face naming, several shard files), then times, per (checkpoin
 
 - ``plain read``: every tensor of the layer read with ``safe_open(...).get_tensor`` and
   copied to the GPU: the least any loader must do with those bytes;
-- ``megamoe``: ``MegaMoEExperts(...).load_weights(stream)`` + ``finalize()`` with the
-  reference backend: the product's load path (requantizing each projection as its weight
-  and scale pair up, through ``quant.requantize``, i.e. the Triton kernels on CUDA);
+- ``megamoe``: ``MegaMoEExperts(...).load_weights(stream)`` + ``finalize()`` on
+  ``--backend`` (``auto``: DeepGEMM where it runs the run format, else the reference): the
+  product's load path (requantizing each projection as its weight and scale pair up,
+  through ``quant.requantize``, i.e. the Triton kernels on CUDA);
 - ``streamed``: the same tensors staged on the GPU ``--chunk`` experts at a time and
   requantized by one Triton launch per projection group, written straight into the final
   kernel tensors (``requantize_triton_async(..., out=...)``, one flag check per layer).
 
 Throughput is checkpoint bytes over time; "ratio" is a load path's time over the plain
-read's. Peak device memory is the allocator's peak during the load over the bytes of the
-final kernel weights. Reads hit the page cache (the file was just written and read once
+read's. Memory of the ``megamoe`` path: "resident" is what the loaded layer keeps (distinct
+storages of the experts and their backend, ``megamoe.core.memory``) over one copy of the
+run-format weights and scales; "peak" the allocator's peak during the first load, and
+"reload peak" during a full reload of new weights, over the final resident bytes (the
+DeepGEMM symmetric buffer, activation memory, is allocated before measuring).
+Reads hit the page cache (the file was just written and read once
 to warm): the GPU work is not hidden behind a slow disk.
 
 The DeepGEMM layout transform (gate/up rows interleaved in groups of 8, as
@@ -61,7 +66,9 @@ from harness import (
     write_json,
 )
 from megamoe.core import quant
+from megamoe.core.experts import MegaMoEExperts
 from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
+from megamoe.core.memory import canonical_bytes, resident_bytes
 
 W = WeightFormat
 DEFAULT_PAIRS = "fp8_block:mxfp8,fp8_block:fp8_block,bf16:fp8_block,mxfp4:fp8_block,bf16:mxfp8"
@@ -79,6 +86,9 @@ class LoadRow:
     plain_s: float
     megamoe_s: float | None
     megamoe_peak_ratio: float | None
+    resident_ratio: float | None
+    reload_peak_ratio: float | None
+    backend: str | None
     megamoe_error: str | None
     streamed_s: float
     streamed_peak_ratio: float | None
@@ -141,14 +151,34 @@ def plain_read(files: Sequence[Path], device: str) -> None:
 
 
 def load_megamoe(
-    files: Sequence[Path], ckpt: WeightFormat, run: WeightFormat, shape: Any, device: str
-) -> int:
-    """The product's path; returns the final kernel weights' bytes."""
-    module = one_rank_experts(shape, 8, run, ckpt, "reference", device=device)
+    files: Sequence[Path],
+    ckpt: WeightFormat,
+    run: WeightFormat,
+    shape: Any,
+    device: str,
+    backend: str,
+) -> MegaMoEExperts:
+    """The product's path: a loaded, finalized layer."""
+    module = one_rank_experts(shape, 8, run, ckpt, backend, device=device)
     module.load_weights(stream(files))
     module.finalize()
     sync(device)
-    return sum(p.numel() * p.element_size() for p in module.kernel_params.values())
+    return module
+
+
+def reload_peak_ratio(module: MegaMoEExperts, files: Sequence[Path], device: str) -> float | None:
+    """Peak allocated bytes during a full reload over the layer's resident bytes."""
+    if device != "cuda":
+        return None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    module.load_weights(stream(files))
+    module.finalize()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base + resident_bytes(module)) / resident_bytes(
+        module
+    )
 
 
 def _kernel_tensors(run: WeightFormat, shape: Any, dev: str) -> dict[str, torch.Tensor]:
@@ -304,18 +334,21 @@ def bench(
     def streamed() -> dict[str, torch.Tensor]:
         return load_streamed(files, ckpt, run, shape, args.chunk, dev)
 
-    def megamoe() -> int:
-        return load_megamoe(files, ckpt, run, shape, dev)
+    def megamoe() -> MegaMoEExperts:
+        return load_megamoe(files, ckpt, run, shape, dev, args.backend)
 
     streamed_s = median_seconds(streamed, args.reps, dev)
     ratio, final = peak_ratio(
         streamed, lambda t: sum(x.numel() * x.element_size() for x in t.values()), dev
     )
     final_bytes = sum(x.numel() * x.element_size() for x in final.values())
-    megamoe_s = megamoe_ratio = error = None
+    megamoe_s = megamoe_ratio = resident = reload_ratio = backend = error = None
     try:
-        megamoe_s = median_seconds(megamoe, args.reps, dev)
-        megamoe_ratio, _ = peak_ratio(megamoe, lambda b: b, dev)
+        megamoe_s = median_seconds(megamoe, args.reps, dev)  # its buffer is cached now
+        megamoe_ratio, module = peak_ratio(megamoe, resident_bytes, dev)
+        resident = resident_bytes(module) / canonical_bytes(module)
+        reload_ratio = reload_peak_ratio(module, files, dev)
+        backend = module.backend.name
     except Exception as exc:  # report the product path's failure beside the numbers
         error = f"{type(exc).__name__}: {exc}"[:300]
     w13 = final["w13"]
@@ -343,6 +376,9 @@ def bench(
         plain_s=plain,
         megamoe_s=megamoe_s,
         megamoe_peak_ratio=megamoe_ratio,
+        resident_ratio=resident,
+        reload_peak_ratio=reload_ratio,
+        backend=backend,
         megamoe_error=error,
         streamed_s=streamed_s,
         streamed_peak_ratio=ratio,
@@ -359,7 +395,10 @@ COLUMNS = (
     ("GB/s", ">6.2f"),
     ("megamoe s", ">9.3f"),
     ("mm ratio", ">6.2f"),
-    ("mm peak", ">5.2f"),
+    ("backend", "<9"),
+    ("resident", ">8.3f"),
+    ("mm peak", ">7.3f"),
+    ("reload peak", ">11.3f"),
     ("streamed s", ">10.3f"),
     ("st ratio", ">6.2f"),
     ("st peak", ">5.2f"),
@@ -378,7 +417,10 @@ def table(rows: Sequence[LoadRow]) -> str:
             r.plain_gbs,
             r.megamoe_s,
             None if r.megamoe_s is None else r.megamoe_s / r.plain_s,
+            r.backend,
+            r.resident_ratio,
             r.megamoe_peak_ratio,
+            r.reload_peak_ratio,
             r.streamed_s,
             r.streamed_s / r.plain_s,
             r.streamed_peak_ratio,
@@ -404,6 +446,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dir", default=None, help="where to write checkpoints (default: temp)")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument(
+        "--backend", choices=("auto", "reference", "deepgemm"), default="auto",
+        help="experts backend of the megamoe path (default: auto)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_load: needs a CUDA device (or pass --device cpu)", file=sys.stderr)

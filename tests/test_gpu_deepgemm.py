@@ -171,7 +171,8 @@ def test_finalize_peak_memory(checkpoint: Tensors) -> None:
     )
     final = canonical + owned
     report("finalize: canonical weight bytes", canonical)
-    report("finalize: kernel-layout bytes of its own (interleaved w13)", owned)
+    report("finalize: kernel-layout bytes of its own (none: it reads the experts')", owned)
+    assert owned == 0
     report("finalize: bytes before (canonical + staged)", before)
     report("finalize: bytes after", after)
     report("finalize: peak / final weights", peak / final)

@@ -11,6 +11,7 @@ import torch
 
 from megamoe.core.bitcheck import assert_bitwise_equal
 from megamoe.core.errors import NonFiniteError
+from megamoe.core.expert_loading import STAGE_WHOLE_RELOAD
 from megamoe.core.experts import MegaMoEExperts
 from megamoe.core.formats import WeightFormat
 from megamoe.core.testing import one_rank_experts, synthetic_expert_tensors
@@ -45,6 +46,7 @@ def _build(
         backend="reference",
         device=device,
         prefix="layers.5.experts",
+        reload_staging_bytes=STAGE_WHOLE_RELOAD,  # a failed reload keeps the weights serving
     )
 
 

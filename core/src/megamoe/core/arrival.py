@@ -15,7 +15,7 @@ import torch
 from megamoe.core.finiteness import NonFiniteLedger
 from megamoe.core.pairing import ShardKey, ShardPairing
 
-UNPAIRED_DEVICE_SHARE = 0.125  # of the kernel tensors' bytes, for halves on the device
+UNPAIRED_DEVICE_SHARE = 1 / 16  # of the kernel tensors' bytes, for halves on the device
 
 
 class DeviceArrival:

@@ -54,9 +54,9 @@ def _may_hold_nonfinite(tensor: torch.Tensor, ue8m0: bool) -> bool:
 def _bad_scale_summary(scale: torch.Tensor) -> torch.Tensor:
     """float64 ``[bad count, flat index of the first bad scale, its value]`` (no host sync)."""
     bad = (scale <= 0).reshape(-1)  # NaN and inf are the non-finite check's
-    first = torch.argmax(bad.to(torch.uint8))
-    value = scale.reshape(-1)[first].double()
-    return torch.stack([bad.sum().double(), first.double(), value])
+    first = torch.argmax(bad.to(torch.uint8)).reshape(1)
+    value = scale.reshape(-1).index_select(0, first)  # a tensor index: no host sync
+    return torch.cat([bad.sum().reshape(1), first, value.reshape(1)]).double()
 
 
 def check_block_scales(scale: torch.Tensor, what: str) -> None:
@@ -167,7 +167,7 @@ class NonFiniteLedger:
         self._scales.append((what, tuple(scale.shape)))
         self._scale_summaries.append(_bad_scale_summary(scale))
         if len(self._scale_summaries) > MAX_PENDING_COUNTS:
-            self._scale_summaries = [torch.cat(self._scale_summaries).reshape(-1, 3)]
+            self._scale_summaries = [torch.cat(self._scale_summaries)]
 
     def record_flag(self, what: str, flag: torch.Tensor) -> None:
         """Keep a conversion's non-finite flag (nonzero: its input held NaN/inf).
@@ -191,31 +191,31 @@ class NonFiniteLedger:
             self._counts = [torch.cat(self._counts)]
 
     def check(self) -> None:
-        """Read the pending counts back (one host sync) and forget them.
+        """Read the pending counts and scale checks back (one host sync) and forget them.
 
         Raises:
             NonFiniteError: names the first bad tensor with its count, then the others.
-            InvalidScaleError: a block-FP8 scale that is zero or negative (first one).
+            InvalidScaleError: a block-FP8 scale that is zero or negative (first one); NaN
+                and inf are reported first.
         """
-        if self._scale_summaries:
-            summaries = torch.cat([s.reshape(-1, 3) for s in self._scale_summaries]).tolist()
-            scales = self._scales
-            self._scales, self._scale_summaries = [], []
-            for (what, shape), summary in zip(scales, summaries, strict=True):
-                if summary[0]:
-                    self.clear()
-                    _raise_bad_scales(f"{self.label}: {what}", shape, summary)
-        if not self._counts:
+        if not self._counts and not self._scale_summaries:
             return
-        values = torch.cat(self._counts).tolist()
+        parts = [torch.cat(self._counts).double()] if self._counts else []
+        parts += [s.reshape(-1) for s in self._scale_summaries]
+        device = parts[0].device
+        values = torch.cat([p.to(device) for p in parts]).tolist()  # the one read-back
+        counts, summaries = values[: len(self._names)], values[len(self._names) :]
         found = [
             (what, FLAGGED if flag else int(n))
-            for (what, flag), n in zip(self._names, values, strict=True)
+            for (what, flag), n in zip(self._names, counts, strict=True)
             if n
         ]
+        scales = self._scales
         self.clear()
         if found:
             self._raise(found)
+        for i, (what, shape) in enumerate(scales):
+            _raise_bad_scales(f"{self.label}: {what}", shape, summaries[3 * i : 3 * i + 3])
 
     def _raise(self, found: list[tuple[str, int]]) -> None:
         """Raise NonFiniteError for ``(name, count or FLAGGED)`` pairs, first one first."""

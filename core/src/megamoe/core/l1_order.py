@@ -72,7 +72,12 @@ class L1RowOrder:
         """``l1`` (..., 2I, C) in ``[gate | up]`` order (itself when already canonical)."""
         if not self.interleaved:
             return l1
-        return torch.cat([self.read(l1, SHARD_GATE), self.read(l1, SHARD_UP)], dim=-2)
+        out = torch.empty_like(l1)  # the only temporary: rows are copied straight into it
+        half = l1.shape[-2] // 2
+        for shard_id, first in ((SHARD_GATE, 0), (SHARD_UP, half)):
+            view = self.shard_view(l1, shard_id)
+            out.narrow(-2, first, half).view(view.shape).copy_(view)
+        return out
 
     def from_canonical(self, l1: torch.Tensor) -> torch.Tensor:
         """A ``[gate | up]`` tensor (..., 2I, C) in this order (itself when canonical)."""
