@@ -2,11 +2,14 @@
 
 CPU sessions install packages into fresh virtualenvs with torch pinned by
 ``constraints.txt`` (the CPU wheel); ``gpu_tests`` runs in the machine's own environment.
+``build`` writes the four distributions' wheels into ``dist/``; ``install`` installs one
+adapter alone from there, as the README says; ``docs`` builds the site (offline-safe).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import nox
@@ -14,6 +17,9 @@ import nox
 ROOT = Path(__file__).parent
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
 PACKAGES = {"core": "core", "qwen4exp": "qwen4exp", "glm5next": "glm5next"}
+# Every distribution's folder: the three packages and the umbrella.
+DISTRIBUTIONS = ("core", "qwen4exp", "glm5next", "packages/megamoe")
+DIST = ROOT / "dist"
 # Installed with each package: what it depends on inside the monorepo.
 DEPENDS = {"core": (), "qwen4exp": ("core",), "glm5next": ("core",)}
 FORMATS = ("bf16", "fp8_block", "mxfp8", "mxfp4")
@@ -22,8 +28,16 @@ TEST_DEPS = ("pytest>=8", "hypothesis>=6")
 # the release that ships qwen4_exp and glm5_next. A test dependency only.
 ORACLE_DEPS = ("transformers==5.24.0",)
 SOURCE_PATHS = ("core/src", "qwen4exp/src", "glm5next/src")
+# The site's generator, pinned: a build that passes --strict today passes tomorrow.
+DOCS_DEPS = (
+    "mkdocs==1.6.1",
+    "mkdocs-material==9.8.2",
+    "mkdocstrings==1.0.8",
+    "mkdocstrings-python==2.0.11",
+)
+GPU_TEST_MODULES = ("pytest",)  # what gpu_tests needs in the machine's own environment
 
-nox.options.sessions = ["lint", "typecheck", "tests"]
+nox.options.sessions = ["lint", "typecheck", "tests", "install"]
 nox.options.reuse_existing_virtualenvs = True
 
 
@@ -77,10 +91,58 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def docs(session: nox.Session) -> None:
-    """Build the mkdocs site (guides + API reference from docstrings) into site/."""
-    _install(session, "core", "qwen4exp", "glm5next")
-    session.install("mkdocs>=1.6", "mkdocstrings[python]>=0.26")
-    session.run("mkdocs", "build", "--strict", *session.posargs)
+    """Build the site (mkdocs-material, API pages from the docstrings) into site/, --strict.
+
+    The API pages are read from the sources and the CLI reference from the argument parser
+    (which imports no torch), so nothing but the generator is installed. The build fails
+    on a page that loads a remote asset (docs/hooks/no_outside_references.py).
+    """
+    session.install(*DOCS_DEPS)
+    session.run("mkdocs", "build", "--strict", *session.posargs, env={"NO_MKDOCS_2_WARNING": "1"})
+
+
+def _build_wheels(session: nox.Session) -> None:
+    """Wheels of every distribution into dist/, older megamoe wheels there removed."""
+    DIST.mkdir(exist_ok=True)
+    for old in DIST.glob("megamoe*.whl"):
+        old.unlink()
+    folders = (str(ROOT / d) for d in DISTRIBUTIONS)
+    session.run("python", "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(DIST), *folders)
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Wheels of megamoe-core, megamoe-qwen4exp, megamoe-glm5next and megamoe into dist/."""
+    _build_wheels(session)
+    session.log("wheels: " + ", ".join(sorted(p.name for p in DIST.glob("megamoe*.whl"))))
+
+
+@nox.session
+def install(session: nox.Session) -> None:
+    """megamoe-glm5next alone from dist/ (README "Install"), then install_tests/ on it.
+
+    Every megamoe distribution is removed from the session's environment first, so what
+    the tests see is what ``pip install --find-links dist megamoe-glm5next`` brought;
+    torch comes pinned by constraints.txt (the CPU wheel).
+    """
+    _build_wheels(session)
+    names = ("megamoe", "megamoe-core", "megamoe-qwen4exp", "megamoe-glm5next")
+    session.run("python", "-m", "pip", "uninstall", "--yes", *names, silent=True)
+    session.install(*CONSTRAINTS, "--find-links", str(DIST), "megamoe-glm5next", "pytest>=8")
+    # From a folder outside the checkout: nothing of the sources is importable by accident.
+    tmp = Path(session.create_tmp()).resolve()
+    shutil.copytree(ROOT / "install_tests", tmp / "install_tests", dirs_exist_ok=True)
+    session.chdir(tmp)
+    session.run(
+        "pytest",
+        "install_tests",
+        "-p",
+        "no:cacheprovider",
+        "--rootdir",
+        str(tmp),
+        *session.posargs,
+        env={"OMP_NUM_THREADS": "1"},
+    )
 
 
 @nox.session
@@ -92,7 +154,22 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none", default=False)
 def gpu_tests(session: nox.Session) -> None:
-    """GPU tests (``-m gpu``) in this machine's own environment (its curated torch/CUDA)."""
+    """GPU tests (``-m gpu``) in this machine's own environment (its curated torch/CUDA).
+
+    Needs pytest there (``python3 -m pip install pytest``); says so before running.
+    """
+    missing = session.run(
+        "python3",
+        "-c",
+        "import importlib.util, sys; "
+        f"print(' '.join(m for m in {GPU_TEST_MODULES!r} if importlib.util.find_spec(m) is None))",
+        silent=True,
+    )
+    if missing and missing.strip():
+        session.error(
+            f"gpu_tests runs in this machine's python3, which lacks {missing.strip()}: "
+            f"python3 -m pip install {missing.strip()}"
+        )
     path = os.pathsep.join(
         [*(str(ROOT / p) for p in SOURCE_PATHS), os.environ.get("PYTHONPATH", "")]
     )

@@ -2,9 +2,26 @@
 # Everything the GPU issues measure, in one pass on an H200 (about 6 minutes):
 # the gpu-marked tests, then each benchmark's table (printed) and JSON (into $1).
 #   bash benchmarks/h200.sh OUTDIR
-# Expects deep_gemm importable (see ../shared/gpu/README.md: install .whl/ into /tmp/site).
+# Needs, in the machine's own python3 (its curated torch/CUDA): torch with CUDA, pytest,
+# pytest-xdist (the tests run -n 8), nox, and DeepGEMM's MegaMoE (pip install
+# sgl-deep-gemm); checked first, naming the pip command for whatever is missing.
 set -uo pipefail
 out=${1:?usage: bash benchmarks/h200.sh OUTDIR}
+missing=$(python3 - <<'PY'
+import importlib.util
+need = {"torch": "torch", "pytest": "pytest", "xdist": "pytest-xdist", "nox": "nox",
+        "deep_gemm": "sgl-deep-gemm"}
+print(" ".join(pip for module, pip in need.items() if importlib.util.find_spec(module) is None))
+PY
+)
+if [ -n "$missing" ]; then
+  echo "benchmarks/h200.sh: python3 lacks $missing: python3 -m pip install $missing" >&2
+  exit 2
+fi
+if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "benchmarks/h200.sh: python3's torch sees no CUDA device (this script measures a GPU)" >&2
+  exit 2
+fi
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$root/core/src:$root/qwen4exp/src:$root/glm5next/src:${PYTHONPATH:-}"

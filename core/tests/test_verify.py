@@ -1,0 +1,39 @@
+"""Which tolerance ``verify`` and ``demo`` apply to each (stored, run) format pair."""
+
+from __future__ import annotations
+
+import pytest
+
+from megamoe.core.formats import WeightFormat
+from megamoe.core.verify import (
+    LOSSY_FP8_TOLERANCE,
+    LOSSY_MXFP4_TOLERANCE,
+    TOLERANCE,
+    tolerance_for,
+)
+
+W = WeightFormat
+CASES = [
+    # run as stored: the run format's own tolerance
+    *[(f, f, TOLERANCE[f]) for f in TOLERANCE],
+    (W.MXFP4, W.MXFP8, TOLERANCE[W.MXFP8]),  # E2M1 x UE8M0 is exact in E4M3 x UE8M0
+    (W.FP8_BLOCK, W.BF16, TOLERANCE[W.BF16]),
+    (W.BF16, W.MXFP8, LOSSY_FP8_TOLERANCE),
+    (W.FP8_BLOCK, W.MXFP8, LOSSY_FP8_TOLERANCE),  # block scales rounded to UE8M0
+    (W.BF16, W.FP8_BLOCK, LOSSY_FP8_TOLERANCE),
+    (W.MXFP8, W.FP8_BLOCK, LOSSY_FP8_TOLERANCE),
+    (W.BF16, W.MXFP4, LOSSY_MXFP4_TOLERANCE),
+    (W.FP8_BLOCK, W.MXFP4, LOSSY_MXFP4_TOLERANCE),
+    (W.MXFP8, W.MXFP4, LOSSY_MXFP4_TOLERANCE),
+]
+
+
+@pytest.mark.parametrize(("checkpoint", "run", "want"), CASES)
+def test_tolerance_per_stored_and_run_format(
+    checkpoint: WeightFormat, run: WeightFormat, want: float
+) -> None:
+    assert tolerance_for(checkpoint, run) == want
+
+
+def test_lossy_tolerances_are_looser_than_the_exact_ones() -> None:
+    assert max(TOLERANCE.values()) < LOSSY_FP8_TOLERANCE < LOSSY_MXFP4_TOLERANCE < 1
