@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megamoe.core import experts_op
 from megamoe.core.backends.select import resolve_backend
 from megamoe.core.errors import MissingExpertsError, format_keys
 from megamoe.core.expert_layout import ExpertLayout
@@ -116,6 +117,7 @@ class MegaMoEExperts(ExpertLoading, torch.nn.Module):
         self._init_loading(reload_staging_bytes)
         self._written: set[tuple[int, str]] = set()
         self._finalized = False
+        self._op_handle = experts_op.register(self)
 
     def _allocate(self) -> None:
         """Zeroed kernel tensors, each tagged with the kernel tag."""
@@ -246,6 +248,10 @@ class MegaMoEExperts(ExpertLoading, torch.nn.Module):
         Returns:
             (T, H) bfloat16.
 
+        The backend runs inside one opaque custom op (``megamoe.core.experts_op``), so the
+        call traces under ``torch.compile(fullgraph=True)``; this method itself only checks
+        metadata (no host sync).
+
         Raises:
             RuntimeError: ``finalize()`` has not completed yet.
             ValueError: a shape that does not match, or too many tokens.
@@ -258,5 +264,15 @@ class MegaMoEExperts(ExpertLoading, torch.nn.Module):
                 "call finalize()"
             )
         self.layout.check_forward(hidden_states, topk_weights, topk_ids)
+        return experts_op.experts(hidden_states, topk_weights, topk_ids, self._op_handle)
+
+    def run_backend(
+        self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The backend's forward after the format-tag check (the custom op's body).
+
+        Raises:
+            FormatMismatchError: kernel tensors or backend buffers of another format.
+        """
         check_tags(self.kernel_tag, self.kernel_params, self.layout.label)
         return self.backend.forward(self, hidden_states, topk_weights, topk_ids)

@@ -20,6 +20,10 @@ from megamoe.glm5next.config import MODEL_NAME, Glm5NextConfig
 from megamoe.glm5next.experts import DEFAULT_REQUANT_CHUNK, Glm5NextMegaMoEExperts
 from megamoe.glm5next.router import Glm5NextRouter
 
+# Under torch.compile the shared expert runs inline: inductor cannot express a side
+# stream's record_stream (eager and CUDA-graph capture keep the auxiliary stream).
+SERIAL = AuxStream("cpu", enabled=False)
+
 logger = logging.getLogger("megamoe")
 
 ROUTER = "gate.weight"
@@ -151,11 +155,8 @@ class Glm5NextMegaMoeBlock(MoEBlock):
         """Routed plus (fused or separate) shared-expert output; see ``MoEBlock.forward``."""
         check_hidden_states(self.prefix, hidden_states, self.config.hidden_size)
         shared_mlp = self.shared_experts
-        join_shared = (
-            None
-            if shared_mlp is None
-            else self.aux_stream.launch(lambda: shared_mlp(hidden_states))
-        )
+        aux = SERIAL if torch.compiler.is_compiling() else self.aux_stream
+        join_shared = None if shared_mlp is None else aux.launch(lambda: shared_mlp(hidden_states))
         topk_weights, topk_ids = self.gate(hidden_states)
         shared = None if join_shared is None else join_shared()  # before the MegaMoE launch
         routed = self.experts(hidden_states, topk_weights, topk_ids)

@@ -19,6 +19,10 @@ from megamoe.core.shared_expert import AuxStream, SwiGLUMLP
 from megamoe.qwen4exp.config import MODEL_NAME, Qwen4ExpConfig
 from megamoe.qwen4exp.experts import Qwen4ExpMegaMoEExperts
 
+# Under torch.compile the shared expert runs inline: inductor cannot express a side
+# stream's record_stream (eager and CUDA-graph capture keep the auxiliary stream).
+SERIAL = AuxStream("cpu", enabled=False)
+
 ROUTER = "gate.weight"
 SHARED_GATE = "shared_expert_gate.weight"
 SHARED_EXPERT = "shared_expert"
@@ -116,7 +120,8 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Routed plus gated shared-expert output (see ``MoEBlock.forward``)."""
         check_hidden_states(self.prefix, hidden_states, self.config.hidden_size)
-        join_shared = self.aux_stream.launch(lambda: self.shared_output(hidden_states))
+        aux = SERIAL if torch.compiler.is_compiling() else self.aux_stream
+        join_shared = aux.launch(lambda: self.shared_output(hidden_states))
         topk_weights, topk_ids = self.route(hidden_states)
         shared = join_shared()  # before the MegaMoE launch: it needs every SM
         routed = self.experts(hidden_states, topk_weights, topk_ids)

@@ -1,0 +1,229 @@
+"""Both MoE blocks on the Hopper kernel: eager, compiled and CUDA-graphed, beside the bare kernel.
+
+For each adapter (Qwen4Exp: softmax router, sigmoid-gated shared expert; GLM-5.3-Flash:
+grouped sigmoid router, SwiGLU clamp, shared expert) and each token count, one run
+measures (CUDA-event medians after warm-up):
+
+- ``bare``: DeepGEMM's ``mega_moe_pre_dispatch_sm90`` + ``fp8_mega_moe`` on the same
+  weights and routing, called directly (no megamoe code in between);
+- the block's parts alone: ``router``, ``shared`` expert, ``experts`` module;
+- the block ``eager`` (auxiliary stream on and ``serial``), ``compiled``
+  (``torch.compile(fullgraph=True)``, dynamic token count) and ``graphed`` (a CUDA graph of
+  the eager block, replayed);
+
+and the ratios the engine-speed issue targets: eager / (bare + shared), graphed / (bare +
+shared), router alone. Weights are random block-FP8 made on the GPU (no checkpoint).
+
+    python benchmarks/bench_block.py                   # E=64, top-8, H=4096, I=1536, shared 1536
+    python benchmarks/bench_block.py --tokens 1,128 --adapters glm5next --json block.json
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from harness import add_shape_args, cuda_median_ms, format_table, write_json
+from megamoe.core import quant
+from megamoe.core.adapters import MoEBlock, SyntheticSizes, installed_adapters
+from megamoe.core.backends.symm_buffer import resolve_group
+from megamoe.core.formats import WeightFormat
+from megamoe.core.parallel import ParallelSettings
+
+PREFIX = {
+    "qwen4exp": "model.language_model.layers.0.mlp",
+    "glm5next": "model.language_model.layers.1.mlp",
+}
+SHARED = {"qwen4exp": "shared_expert", "glm5next": "shared_experts"}
+COLUMNS = (
+    ("adapter", "<9", "adapter"),
+    ("tokens", ">6.0f", "tokens"),
+    ("bare", ">7.1f", "bare_us"),
+    ("router", ">7.1f", "router_us"),
+    ("shared", ">7.1f", "shared_us"),
+    ("experts", ">8.1f", "experts_us"),
+    ("eager", ">7.1f", "eager_us"),
+    ("serial", ">7.1f", "serial_us"),
+    ("compiled", ">8.1f", "compiled_us"),
+    ("graphed", ">8.1f", "graphed_us"),
+    ("eager/(b+s)", ">11.2f", "eager_ratio"),
+    ("graph/(b+s)", ">11.2f", "graphed_ratio"),
+)
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_shape_args(p, experts=64)
+    p.add_argument("--shared-intermediate", type=int, default=1536)
+    p.add_argument("--tokens", default="1,16,128,256,1024,4096")
+    p.add_argument("--adapters", default="qwen4exp,glm5next")
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--no-compile", action="store_true", help="skip the compiled block")
+    p.add_argument("--json", default="bench_block.json")
+    return p.parse_args(argv)
+
+
+def config(adapter: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """The adapter's synthetic block-FP8 config at the benchmark's sizes."""
+    sizes = SyntheticSizes(
+        num_layers=2, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_experts=args.experts, top_k=args.top_k,
+        shared_intermediate_size=args.shared_intermediate,
+    )  # fmt: skip
+    return adapter.synthetic_config(WeightFormat.FP8_BLOCK, sizes)
+
+
+def _fp8(
+    rows: int, cols: int, gen: torch.Generator, name: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    dense = torch.randn(rows, cols, device="cuda", generator=gen) * 0.03
+    values, scale = quant.quantize_fp8_block(dense, name=name)
+    yield f"{name}.weight", values
+    yield f"{name}.weight_scale_inv", scale
+
+
+def tensors(name: str, args: argparse.Namespace) -> Iterator[tuple[str, torch.Tensor]]:
+    """Random router, shared expert and routed experts (names relative to the block)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h, i, s, e = args.hidden, args.intermediate, args.shared_intermediate, args.experts
+    yield "gate.weight", (torch.randn(e, h, device="cuda", generator=gen) * 0.02).bfloat16()
+    if name == "qwen4exp":
+        yield (
+            "shared_expert_gate.weight",
+            (torch.randn(1, h, device="cuda", generator=gen) * 0.02).bfloat16(),
+        )
+    else:
+        yield "gate.e_score_correction_bias", torch.rand(e, device="cuda", generator=gen) * 1e-3
+    for proj, shape in (("gate_proj", (s, h)), ("up_proj", (s, h)), ("down_proj", (h, s))):
+        yield from _fp8(*shape, gen, f"{SHARED[name]}.{proj}")
+    for expert in range(e):
+        for proj, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+            yield from _fp8(*shape, gen, f"experts.{expert}.{proj}")
+
+
+def parts(block: MoEBlock, name: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The block's router and shared expert as callables of the hidden states."""
+    if name == "qwen4exp":
+        return block.route, block.shared_output  # type: ignore[attr-defined]
+    return block.gate, block.shared_experts  # type: ignore[attr-defined]
+
+
+def bare_kernel(
+    block: MoEBlock,
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """DeepGEMM's two calls on the block's kernel weights and buffer, nothing else."""
+    experts = block.experts
+    backend: Any = experts.backend
+    module, _ = backend._kernel
+    l1w, l1s, l2w, l2s = backend._layout.pieces
+    buf = backend.symm_buffer.buffer
+    clamp = {} if experts.swiglu_limit is None else {"activation_clamp": experts.swiglu_limit}
+
+    def run(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        y = torch.empty_like(x)
+        module.mega_moe_pre_dispatch_sm90(
+            x, ids, weights, buf.x, buf.x_sf, buf.topk_idx, buf.topk_weights, x.shape[0]
+        )
+        module.fp8_mega_moe(y, (l1w, l1s), (l2w, l2s), buf, **clamp)
+        return y
+
+    return run
+
+
+def graphed(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
+    """A CUDA graph of ``fn`` (warmed up on a side stream), as a replay callable."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def measure(
+    name: str, block: MoEBlock, serial: MoEBlock, count: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One table row: the block and its parts at ``count`` tokens."""
+    gen = torch.Generator(device="cuda").manual_seed(count)
+    x = torch.randn(count, args.hidden, device="cuda", generator=gen).bfloat16()
+    router, shared = parts(block, name)
+    weights, ids = router(x)
+    bare = bare_kernel(block)
+
+    def time(fn: Callable[[], object]) -> float:
+        return 1e3 * cuda_median_ms(fn, args.warmup, args.iters)
+
+    with torch.no_grad():
+        row: dict[str, Any] = {
+            "adapter": name,
+            "tokens": float(count),
+            "bare_us": time(lambda: bare(x, weights, ids)),
+            "router_us": time(lambda: router(x)),
+            "shared_us": time(lambda: shared(x)),
+            "experts_us": time(lambda: block.experts(x, weights, ids)),
+            "eager_us": time(lambda: block(x)),
+            "serial_us": time(lambda: serial(x)),
+            "graphed_us": time(graphed(lambda: block(x))),
+        }
+        if not args.no_compile:
+            compiled = torch.compile(block, fullgraph=True, dynamic=True)
+            row["compiled_us"] = time(lambda: compiled(x))
+    base = row["bare_us"] + row["shared_us"]
+    row["eager_ratio"], row["graphed_ratio"] = row["eager_us"] / base, row["graphed_us"] / base
+    return row
+
+
+def build(
+    adapter: Any,
+    cfg: dict[str, Any],
+    tensors_: list[tuple[str, torch.Tensor]],
+    *,
+    aux: bool,
+    tokens: int,
+) -> MoEBlock:
+    device = torch.device("cuda", 0)
+    layer = next(m for m in adapter.moe_layers(cfg) if not m.is_mtp)
+    block = adapter.block_class(
+        cfg, prefix=layer.prefix, parallel=ParallelSettings(ep_group=resolve_group(None, device)),
+        backend="deepgemm", device=device, max_num_tokens=tokens, use_aux_stream=aux,
+    )  # fmt: skip
+    block.load_weights(tensors_)
+    block.finalize()
+    return block
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse(argv)
+    torch.cuda.set_device(0)
+    counts = [int(t) for t in args.tokens.split(",")]
+    adapters = installed_adapters()
+    rows = []
+    for name in args.adapters.split(","):
+        adapter, cfg = adapters[name], config(adapters[name], args)
+        weights = list(tensors(name, args))
+        block = build(adapter, cfg, weights, aux=True, tokens=max(counts))
+        serial = build(adapter, cfg, weights, aux=False, tokens=max(counts))
+        del weights
+        print(f"{name}: E={args.experts} top-{args.top_k} H={args.hidden} I={args.intermediate} "
+              f"shared I={args.shared_intermediate}, {block.experts.weight_format.value}, "
+              f"backend {block.experts.backend.name}", flush=True)  # fmt: skip
+        for count in counts:
+            rows.append(measure(name, block, serial, count, args))
+            torch._dynamo.reset()
+        del block, serial
+        torch.cuda.empty_cache()
+    cells = [[r.get(key) for _, _, key in COLUMNS] for r in rows]
+    print(format_table([(title, spec) for title, spec, _ in COLUMNS], cells))
+    write_json(args.json, {"args": vars(args), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Both blocks on the Hopper kernel inside an engine: compiled, graphed, no host syncs.
+
+Run with ``nox -s gpu_tests`` on an H200. Each adapter's block (block-FP8, E=32, top-8,
+H=2048, I=768, shared 768, DeepGEMM) must:
+
+- compile whole: ``torch.compile(block, fullgraph=True)`` (the experts are one opaque
+  custom op), matching eager within 1e-2;
+- capture into a CUDA graph whose replay equals eager bit for bit;
+- run its forward under ``torch.cuda.set_sync_debug_mode("error")``: no host sync.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from megamoe.core.adapters import MoEBlock, SyntheticSizes, installed_adapters
+from megamoe.core.backends.deepgemm import DeepGemmBackend
+from megamoe.core.backends.symm_buffer import resolve_group
+from megamoe.core.bitcheck import relative_error
+from megamoe.core.formats import WeightFormat
+from megamoe.core.parallel import ParallelSettings
+from megamoe.core.testing import synthetic_layer_tensors
+
+SIZES = SyntheticSizes(
+    num_layers=2, hidden_size=2048, intermediate_size=768, num_experts=32, top_k=8,
+    shared_intermediate_size=768,
+)  # fmt: skip
+FMT = WeightFormat.FP8_BLOCK
+TOKENS = 64
+COMPILED_TOLERANCE = 1e-2
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.filterwarnings("ignore:.*torch.jit:DeprecationWarning"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _kernel_available() -> None:
+    reason = DeepGemmBackend.unsupported_reason(FMT, torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(f"DeepGEMM cannot run {FMT.value} here: {reason}")
+
+
+@pytest.fixture(scope="module", params=["qwen4exp", "glm5next"])
+def block(request: pytest.FixtureRequest) -> MoEBlock:
+    adapter = installed_adapters()[request.param]
+    config: dict[str, Any] = adapter.synthetic_config(FMT, SIZES)
+    layer = next(m for m in adapter.moe_layers(config) if not m.is_mtp)
+    device = torch.device("cuda", 0)
+    built = adapter.build_block(
+        config, layer, parallel=ParallelSettings(ep_group=resolve_group(None, device)),
+        backend="deepgemm", device=device, max_num_tokens=TOKENS,
+    )  # fmt: skip
+    built.load_weights(synthetic_layer_tensors(adapter, config, layer.prefix, seed=1).items())
+    built.finalize()
+    assert built.experts.backend.name == "deepgemm"
+    return built
+
+
+def _tokens() -> torch.Tensor:
+    gen = torch.Generator().manual_seed(3)
+    return torch.randn(TOKENS, SIZES.hidden_size, generator=gen).to(torch.bfloat16).cuda()
+
+
+def test_the_compiled_block_matches_eager(block: MoEBlock) -> None:
+    x = _tokens()
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        eager, once = block(x), compiled(x)
+    assert relative_error(once, eager) <= COMPILED_TOLERANCE
+
+
+def test_a_captured_graph_replays_eager_bit_for_bit(block: MoEBlock) -> None:
+    x = _tokens()
+    with torch.no_grad():
+        eager = block(x)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            block(x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = block(x)
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(captured.view(torch.int16), eager.view(torch.int16))
+
+
+def test_the_forward_never_syncs_the_host(block: MoEBlock) -> None:
+    x = _tokens()
+    with torch.no_grad():
+        block(x)  # warm: first-call work (kernel compilation, caches)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            block(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
