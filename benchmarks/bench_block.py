@@ -149,7 +149,12 @@ def graphed(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
 
 
 def measure(
-    name: str, block: MoEBlock, serial: MoEBlock, count: int, args: argparse.Namespace
+    name: str,
+    block: MoEBlock,
+    serial: MoEBlock,
+    compiled: Callable[[torch.Tensor], torch.Tensor] | None,
+    count: int,
+    args: argparse.Namespace,
 ) -> dict[str, Any]:
     """One table row: the block and its parts at ``count`` tokens."""
     gen = torch.Generator(device="cuda").manual_seed(count)
@@ -173,8 +178,7 @@ def measure(
             "serial_us": time(lambda: serial(x)),
             "graphed_us": time(graphed(lambda: block(x))),
         }
-        if not args.no_compile:
-            compiled = torch.compile(block, fullgraph=True, dynamic=True)
+        if compiled is not None:
             row["compiled_us"] = time(lambda: compiled(x))
     base = row["bare_us"] + row["shared_us"]
     row["eager_ratio"], row["graphed_ratio"] = row["eager_us"] / base, row["graphed_us"] / base
@@ -215,10 +219,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"{name}: E={args.experts} top-{args.top_k} H={args.hidden} I={args.intermediate} "
               f"shared I={args.shared_intermediate}, {block.experts.weight_format.value}, "
               f"backend {block.experts.backend.name}", flush=True)  # fmt: skip
+        torch._dynamo.reset()
+        compiled = None if args.no_compile else torch.compile(block, fullgraph=True, dynamic=True)
         for count in counts:
-            rows.append(measure(name, block, serial, count, args))
-            torch._dynamo.reset()
-        del block, serial
+            rows.append(measure(name, block, serial, compiled, count, args))
+        del block, serial, compiled
         torch.cuda.empty_cache()
     cells = [[r.get(key) for _, _, key in COLUMNS] for r in rows]
     print(format_table([(title, spec) for title, spec, _ in COLUMNS], cells))
