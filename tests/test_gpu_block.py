@@ -16,13 +16,15 @@ from typing import Any
 import pytest
 import torch
 
-from megamoe.core.adapters import MoEBlock, SyntheticSizes, installed_adapters
+from megamoe.core.adapters import MoEBlock, SyntheticSizes
 from megamoe.core.backends.deepgemm import DeepGemmBackend
 from megamoe.core.backends.symm_buffer import resolve_group
 from megamoe.core.bitcheck import relative_error
 from megamoe.core.formats import WeightFormat
 from megamoe.core.parallel import ParallelSettings
 from megamoe.core.testing import synthetic_layer_tensors
+from megamoe.glm5next import ADAPTER as GLM
+from megamoe.qwen4exp import ADAPTER as QWEN
 
 SIZES = SyntheticSizes(
     num_layers=2, hidden_size=2048, intermediate_size=768, num_experts=32, top_k=8,
@@ -36,6 +38,8 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
     pytest.mark.filterwarnings("ignore:.*torch.jit:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:.*TensorFloat32:UserWarning"),  # inductor's advice
+    pytest.mark.filterwarnings("ignore:.*Synchronization debug mode:UserWarning"),
 ]
 
 
@@ -46,9 +50,9 @@ def _kernel_available() -> None:
         pytest.skip(f"DeepGEMM cannot run {FMT.value} here: {reason}")
 
 
-@pytest.fixture(scope="module", params=["qwen4exp", "glm5next"])
+@pytest.fixture(scope="module", params=[QWEN, GLM], ids=lambda a: a.name)
 def block(request: pytest.FixtureRequest) -> MoEBlock:
-    adapter = installed_adapters()[request.param]
+    adapter = request.param
     config: dict[str, Any] = adapter.synthetic_config(FMT, SIZES)
     layer = next(m for m in adapter.moe_layers(config) if not m.is_mtp)
     device = torch.device("cuda", 0)

@@ -184,7 +184,11 @@ def test_finalize_peak_memory(checkpoint: Tensors) -> None:
     torch.cuda.synchronize()
     transient = torch.cuda.max_memory_allocated() - unrelated - after
     report("re-running the layout transform: transient bytes / final weights", transient / final)
-    assert transient <= 0.05 * final  # a few experts' worth, not a copy of the weights
+    one_expert = final / E
+    report("re-running the layout transform: transient bytes / one expert", transient / one_expert)
+    # One expert's [gate | up] temporary plus DeepGEMM's two for its transform: a few
+    # experts' worth, not a copy of the weights.
+    assert transient <= 3 * one_expert
     # A reload of 4 experts redoes only those: its peak is the final size plus the update.
     update = {
         n: t

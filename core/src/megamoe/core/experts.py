@@ -248,9 +248,9 @@ class MegaMoEExperts(ExpertLoading, torch.nn.Module):
         Returns:
             (T, H) bfloat16.
 
-        The backend runs inside one opaque custom op (``megamoe.core.experts_op``), so the
-        call traces under ``torch.compile(fullgraph=True)``; this method itself only checks
-        metadata (no host sync).
+        Under ``torch.compile`` the backend runs inside one opaque custom op
+        (``megamoe.core.experts_op``), so the call traces with ``fullgraph=True``; eager
+        calls it directly. This method itself only checks metadata (no host sync).
 
         Raises:
             RuntimeError: ``finalize()`` has not completed yet.
@@ -264,6 +264,8 @@ class MegaMoEExperts(ExpertLoading, torch.nn.Module):
                 "call finalize()"
             )
         self.layout.check_forward(hidden_states, topk_weights, topk_ids)
+        if not torch.compiler.is_compiling():  # eager: no dispatcher round trip
+            return self.run_backend(hidden_states, topk_weights, topk_ids)
         return experts_op.experts(hidden_states, topk_weights, topk_ids, self._op_handle)
 
     def run_backend(
