@@ -34,7 +34,7 @@ run python3 -m nox -s gpu_tests -- -q -p no:cacheprovider -p no:benchmark -n 8 -
   -rA --junitxml="$out/gpu_tests.xml"
 run python3 benchmarks/bench_requant.py --torch-reps 2 --json "$out/requant.json"
 run python3 benchmarks/bench_forward.py --tokens 1,16,128,256,1024,4096 --json "$out/forward.json"
-run python3 benchmarks/bench_qwen4exp_block.py --tokens 256,1024 --json "$out/qwen4exp_block.json"
+run python3 benchmarks/bench_block.py --tokens 1,16,128,256,1024,4096 --json "$out/block.json"
 run python3 benchmarks/bench_glm_requant.py --devices cuda --chunks 1,8 --json "$out/glm_requant.json"
 run python3 benchmarks/bench_load.py --reps 2 --json "$out/load.json"
 exit $status

@@ -57,7 +57,9 @@ class Glm5NextMegaMoeBlock(MoEBlock):
             linear placement, tensor parallel 1, redundant experts.
         fuse_shared: None fuses the shared expert where the run format allows; False never
             fuses; True requires fusing.
-        use_aux_stream: False runs an unfused shared expert serially.
+        use_aux_stream: True issues an unfused shared expert on an auxiliary CUDA stream
+            beside the router; off by default: on the H200 it did not pay
+            (``bench_block.py``).
         requant_chunk: experts per step of ``requantize_block_fp8``.
         **options: ``moe_format``, ``is_mtp``, ``backend``, ``device``, ``max_num_tokens``,
             ``emulate_kernel``, ``arch`` (see ``megamoe.core.block_setup.BlockOptions``).
@@ -82,7 +84,7 @@ class Glm5NextMegaMoeBlock(MoEBlock):
         prefix: str,
         parallel: ParallelSettings,
         fuse_shared: bool | None = None,
-        use_aux_stream: bool = True,
+        use_aux_stream: bool = False,
         requant_chunk: int = DEFAULT_REQUANT_CHUNK,
         **options: Unpack[BlockOptions],
     ) -> None:

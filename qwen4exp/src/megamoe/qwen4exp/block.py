@@ -43,7 +43,8 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
             ``mtp.layers.0.mlp``.
         parallel: expert-parallel group (required; a group of size 1 for one device),
             placement (linear) and tensor-parallel size (1).
-        use_aux_stream: False runs the shared expert serially on the current stream.
+        use_aux_stream: True issues the shared expert on an auxiliary CUDA stream beside
+            the router; off by default: on the H200 it did not pay (``bench_block.py``).
         **options: ``moe_format``, ``is_mtp``, ``backend``, ``device``, ``max_num_tokens``,
             ``emulate_kernel``, ``arch`` (see ``megamoe.core.block_setup.BlockOptions``).
 
@@ -62,7 +63,7 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
         *,
         prefix: str,
         parallel: ParallelSettings,
-        use_aux_stream: bool = True,
+        use_aux_stream: bool = False,
         **options: Unpack[BlockOptions],
     ) -> None:
         super().__init__()
