@@ -2,18 +2,23 @@
 
 The oracles below are written from the format definitions in pure Python (struct, math,
 float64), independent of quant's torch code: E4M3 by enumerating all codes and picking
-the nearest with ties to the even code, E2M1 by enumerating its 8 magnitudes with ties
-toward zero, UE8M0 scales as "the smallest power of two s with amax / s <= max".
+the nearest with ties to the even code, E2M1 likewise over its 8 magnitudes (ties to the
+even code, the OCP MX rule and sgl-deep-gemm 0.2.5's), UE8M0 scales as "the smallest power
+of two s with amax / s <= max". Where sgl-deep-gemm 0.2.5's ``deep_gemm/utils/math.py`` is
+on disk (``DG025_MATH``), its reference casts are run as plain Python on the CPU too.
 """
 
 from __future__ import annotations
 
 import bisect
+import importlib.util
 import math
+import os
 import struct
 import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -86,9 +91,9 @@ def oracle_e4m3(y: float) -> int:
 
 
 def oracle_e2m1(y: float) -> int:
-    """E2M1 code of y: nearest magnitude, ties toward zero, no negative zero."""
+    """E2M1 code of y: nearest magnitude, ties to the even code, no negative zero."""
     a = abs(y)
-    code = min(range(8), key=lambda c: (abs(E2M1_MAGS[c] - a), c))
+    code = min(range(8), key=lambda c: (abs(E2M1_MAGS[c] - a), c % 2))
     return code | (8 if y < 0 and code else 0)
 
 
@@ -307,8 +312,8 @@ EDGE_CASES: dict[str, list[float]] = {
     "zero_group": [0.0] * 32,
     "fp4_ties_positive": _tie_row(list(T)),
     "fp4_ties_negative": _tie_row([-t for t in T]),
-    "fp4_just_above_ties": _tie_row([math.nextafter(t, math.inf) for t in T]),
-    "fp4_just_below_ties": _tie_row([-math.nextafter(t, 0.0) for t in T]),
+    "fp4_just_above_ties": _tie_row([bits_f32(f32_bits(t) + 1) for t in T]),
+    "fp4_just_below_ties": _tie_row([-bits_f32(f32_bits(t) - 1) for t in T]),
     "saturation_448": [448.0, -448.0, 447.0, 1.0] + [0.5] * 28,
     "just_above_448": [f32(math.nextafter(448.0, 1e9)), 1.0] + [0.0] * 30,
     "saturation_6": [6.0, -6.0, 5.0, 5.5, -5.0001] + [0.0] * 27,
@@ -345,11 +350,100 @@ def test_edge_case_expectations_by_hand() -> None:
     assert s8.item() == 127 - 22 and s4.item() == 127 - 15  # 1e-4/448 -> 2^-22, 1e-4/6 -> 2^-15
     packed, s = quant.quantize_mx(torch.tensor([_tie_row([-t for t in T])]), W.MXFP4)
     codes = quant.unpack_e2m1(packed)[0, :8].tolist()
-    assert s.item() == 127 and codes == [7, 0, 9, 10, 11, 12, 13, 14]  # -0.25 -> +0
+    assert s.item() == 127 and codes == [7, 0, 10, 10, 12, 12, 14, 14]  # -0.25 -> +0
     v, s = quant.quantize_mx(torch.tensor([EDGE_CASES["e4m3_ties_to_even"]]), W.MXFP8)
     assert s.item() == 127 and v[0, :7].float().tolist() == [448, 1.0, 1.25, -1.25, 0, 2**-8, 2**-8]
     v, _ = quant.quantize_mx(torch.tensor([EDGE_CASES["negative_zero"]]), W.MXFP8)
     assert as_bytes(v)[0, :3].tolist() == [0x80, 0x00, 0x80]
+
+
+# Each tie t between E2M1 magnitudes, the code it rounds to (the even one) and the codes
+# just below and just above it. Written out by hand from the rule, not from any code.
+FP4_TIES = {
+    0.25: (0, 0, 1),
+    0.75: (2, 1, 2),
+    1.25: (2, 2, 3),
+    1.75: (4, 3, 4),
+    2.5: (4, 4, 5),
+    3.5: (6, 5, 6),
+    5.0: (6, 6, 7),
+}
+
+
+@pytest.mark.parametrize("exponent", [-14, -9, -1, 0, 1, 7, 60, 124])  # 1e-4 floors amax
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["positive", "negative"])
+def test_fp4_ties_round_to_even_at_every_scale(exponent: int, sign: float) -> None:
+    """Every tie, its float32 neighbours, both signs, in groups whose scale is 2^exponent."""
+    scale = math.ldexp(1.0, exponent)
+    ties = list(FP4_TIES)
+    row = [6.0 * scale]  # the amax: pins the group's scale to 2^exponent
+    for t in ties:  # the tie, then its float32 neighbours below and above
+        below, above = bits_f32(f32_bits(t) - 1), bits_f32(f32_bits(t) + 1)
+        row += [sign * t * scale, sign * below * scale, sign * above * scale]
+    x = torch.tensor([row + [0.0] * (32 - len(row))], dtype=torch.float64).float()
+    packed, scales = quant.quantize_mx(x, W.MXFP4)
+    assert scales.item() == exponent + 127
+    codes = quant.unpack_e2m1(packed)[0].tolist()
+    negative = 8 if sign < 0 else 0
+    for j, t in enumerate(ties):
+        at, below, above = (c | negative if c else 0 for c in FP4_TIES[t])
+        got = codes[1 + 3 * j : 4 + 3 * j]
+        assert got == [at, below, above], f"tie {sign * t} x 2^{exponent}: codes {got}"
+    want, _ = oracle_quantize_mx(x, W.MXFP4)
+    assert_bitwise_equal(packed, want, f"ties x 2^{exponent} vs oracle")
+
+
+def test_fp4_ties_from_every_source_format() -> None:
+    """Sources that dequantize exactly onto the ties requantize them to even, too."""
+    ties = torch.tensor(list(FP4_TIES))
+    row = torch.cat([torch.tensor([6.0]), ties, -ties, torch.zeros(17)]).reshape(1, 32)
+    want = [7, 0, 2, 2, 4, 4, 6, 6, 0, 10, 10, 12, 12, 14, 14]
+    fp8 = (row * 8.0).to(torch.float8_e4m3fn)  # 0.25 .. 6 times 8 are all E4M3 values
+    sources = {
+        W.BF16: (row.to(torch.bfloat16), None),
+        W.MXFP8: (fp8, torch.full((1, 1), 127 - 3, dtype=torch.uint8)),
+        W.FP8_BLOCK: (fp8, torch.full((1, 1), 0.125)),
+    }
+    for src, (weight, scale) in sources.items():
+        packed, scales = quant.requantize(weight, scale, src, W.MXFP4)
+        got = quant.unpack_e2m1(packed)[0, :15].tolist()
+        assert scales.item() == 127 and got == want, f"{src.value}: {got}"
+
+
+# ------------------------------------------------------------------ sgl-deep-gemm 0.2.5
+# The wheel's pure-Python reference casts (no CUDA extension needed): `pip download
+# sgl-deep-gemm==0.2.5 --no-deps -d /tmp/dg025` and unzip the wheel there.
+DG025_MATH = Path(os.environ.get("MEGAMOE_DG025", "/tmp/dg025")) / "deep_gemm/utils/math.py"
+
+
+def dg025_math() -> Any:
+    """sgl-deep-gemm 0.2.5's ``deep_gemm/utils/math.py``, loaded on its own."""
+    if not DG025_MATH.is_file():
+        pytest.skip(f"sgl-deep-gemm 0.2.5's {DG025_MATH} is not on disk (see DG025_MATH)")
+    name = "megamoe_tests_dg025_math"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, DG025_MATH)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+    return sys.modules[name]
+
+
+def test_fp4_cast_matches_sgl_deep_gemm_025() -> None:
+    """``per_token_cast_to_fp4(use_ue8m0=True, gran_k=32)`` of 0.2.5 on the CPU, bit for bit.
+
+    bf16 inputs: there the CPU's ``amax / 6.0`` and the CUDA reciprocal product megamoe
+    computes give the same scales (``test_scale_by_reciprocal_product_equals_division``).
+    """
+    dg = dg025_math()
+    ties = [t * 2.0**e for t in FP4_TIES for e in (-3, 0, 5)]
+    tie_rows = torch.tensor([[6.0, *ties[:31]], [-6.0, *(-t for t in ties[:31])]])
+    for x in (varied((96, 448), seed=31, dtype=torch.bfloat16), tie_rows.to(torch.bfloat16)):
+        want_packed, want_sf = dg.per_token_cast_to_fp4(x, use_ue8m0=True, gran_k=32)
+        packed, scales = quant.quantize_mx(x, W.MXFP4)
+        assert_bitwise_equal(packed, want_packed.view(torch.uint8), "per_token_cast_to_fp4")
+        assert_bitwise_equal(quant.ue8m0_to_float32(scales), want_sf, "per_token_cast_to_fp4 sf")
 
 
 # ------------------------------------------------------------------ block FP8 vs oracle
@@ -719,19 +813,44 @@ def test_cuda_matches_cpu(src: WeightFormat, dst: WeightFormat, use_triton: bool
     assert_bitwise_equal(gpu_s, cpu_s, "cuda vs cpu scale")
 
 
+def _installed_fp4_ties_to_even(fn: Callable[..., Any]) -> bool:
+    """Whether the installed ``per_token_cast_to_fp4`` rounds E2M1 ties to even (0.2.5 on).
+
+    sgl-deep-gemm 0.1.4.post1 rounds every tie toward zero; it is told apart by 0.75.
+    """
+    probe = torch.tensor([[6.0, 0.75] + [0.0] * 30], device="cuda")
+    packed, _ = fn(probe, use_ue8m0=True, gran_k=32)
+    code = int(packed.view(torch.uint8)[0, 0].item()) >> 4
+    if code not in (1, 2):
+        raise AssertionError(f"per_token_cast_to_fp4 rounds 0.75 to code {code}; expected 1 or 2")
+    return code == 2
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_matches_deep_gemm_reference_casts() -> None:
+    """The installed DeepGEMM's casts; 0.1.4.post1's FP4 ties differ, and only there."""
     dg = pytest.importorskip("deep_gemm.utils.math", reason="DeepGEMM is not installed")
-    x = varied((96, 448), seed=31).cuda()
+    ties = torch.tensor([[6.0, *FP4_TIES, *(-t for t in FP4_TIES)] + [0.0] * 17])
+    x = torch.cat([varied((96, 448), seed=31), ties.repeat(1, 14) * 4.0]).cuda()
     for fn_name, fmt in (("per_token_cast_to_fp8", W.MXFP8), ("per_token_cast_to_fp4", W.MXFP4)):
         fn = getattr(dg, fn_name, None)
         if fn is None:
             pytest.skip(f"deep_gemm.utils.math has no {fn_name}")
         dg_values, dg_scale = fn(x, use_ue8m0=True, gran_k=32)
         values, scales = quant.quantize_mx(x, fmt)
-        assert_bitwise_equal(as_bytes(values), as_bytes(dg_values.contiguous()), fn_name)
         assert_bitwise_equal(quant.ue8m0_to_float32(scales), dg_scale.float(), f"{fn_name} sf")
+        got, want = as_bytes(values), as_bytes(dg_values.contiguous())
+        if fmt is W.MXFP4 and not _installed_fp4_ties_to_even(fn):
+            # Toward zero (0.1.4.post1): equal away from ties; at 0.75, 1.75, 3.5 one code up.
+            codes, dg_codes = quant.unpack_e2m1(got), quant.unpack_e2m1(want)
+            y = (x / quant.ue8m0_to_float32(scales).repeat_interleave(32, -1)).abs()
+            up_ties = (y == 0.75) | (y == 1.75) | (y == 3.5)
+            assert bool(up_ties.any())
+            assert_bitwise_equal(codes[~up_ties], dg_codes[~up_ties], f"{fn_name} off the ties")
+            assert bool(((codes[up_ties] & 7) == (dg_codes[up_ties] & 7) + 1).all())
+            continue
+        assert_bitwise_equal(got, want, fn_name)
     block_fn = getattr(dg, "per_block_cast_to_fp8", None)
     if block_fn is None:
         pytest.skip("deep_gemm.utils.math has no per_block_cast_to_fp8")

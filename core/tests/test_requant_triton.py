@@ -8,7 +8,8 @@ torch path is itself checked against independent oracles in ``test_quant.py``.
 
 Triton's CPU interpreter cannot stand in on CPU CI: it converts float32 to float8e4nv
 with wrong rounding (``../shared/gpu/README.md``) and cannot run the inline PTX of the
-E2M1 encoder, so these tests need a GPU.
+E2M1 encoder, so these tests need a GPU. E2M1 ties round to even in both encoders (PTX and
+integer): ``test_fp4_ties_round_to_even`` checks them against a table written by hand.
 """
 
 from __future__ import annotations
@@ -32,8 +33,15 @@ pytestmark = [
 ]
 
 W = WeightFormat
-# Every conversion the kernels run: any other format to MXFP8, MXFP4 or FP8_BLOCK.
-PAIRS = [(src, dst) for dst in (W.MXFP8, W.MXFP4, W.FP8_BLOCK) for src in W if src is not dst]
+# Every conversion the kernels run: any other format but NVFP4 (a torch-path source) to
+# MXFP8, MXFP4 or FP8_BLOCK.
+KERNEL_SOURCES = (W.BF16, W.FP8_BLOCK, W.MXFP8, W.MXFP4)
+PAIRS = [
+    (src, dst)
+    for dst in (W.MXFP8, W.MXFP4, W.FP8_BLOCK)
+    for src in KERNEL_SOURCES
+    if src is not dst
+]
 PAIR_IDS = [f"{s.value}->{d.value}" for s, d in PAIRS]
 # (experts, rows, cols): aligned, partial row tiles and blocks, K not a multiple of 128,
 # K not a multiple of 32, one row.
@@ -243,6 +251,41 @@ def test_edge_case_rows(case: str, dst: W) -> None:
     x = torch.stack([row, -row, row.roll(5), row * 0.5]).reshape(1, 4, 32).cuda()
     _assert_same(x, None, W.BF16, dst, case, block=(1, 32))
     _assert_same(x.repeat(1, 32, 4), None, W.BF16, dst, f"{case} in 128x128 blocks")
+
+
+# E2M1 ties round to the even code: 0.75, 1.75, 3.5 up, 0.25, 1.25, 2.5, 5.0 down (by hand).
+FP4_TIE_ROW = [6.0, *THRESHOLDS, *(-t for t in THRESHOLDS)] + [0.0] * 17
+FP4_TIE_CODES = [7, 0, 2, 2, 4, 4, 6, 6, 0, 10, 10, 12, 12, 14, 14]
+
+
+@pytest.mark.parametrize("e2m1_ptx", [True, False], ids=["ptx", "integer"])
+@pytest.mark.parametrize("src", [W.BF16, W.MXFP8, W.FP8_BLOCK], ids=lambda f: f.value)
+def test_fp4_ties_round_to_even(kernels: ModuleType, src: W, e2m1_ptx: bool) -> None:
+    """Sources that hold the ties exactly, at several scales: Triton == torch == the table."""
+    rows = torch.tensor([FP4_TIE_ROW]) * torch.exp2(torch.arange(-12.0, 12.0, 3.0))[:, None]
+    exps = torch.arange(-12, 12, 3, dtype=torch.int32) + 127
+    if src is W.BF16:
+        weight, scale = rows.to(torch.bfloat16), None
+    elif src is W.MXFP8:  # 6 x 2^k over the UE8M0 scale 2^(k-6): every value is E4M3
+        weight = (rows * torch.exp2(-(exps[:, None] - 127.0) + 6.0)).to(torch.float8_e4m3fn)
+        scale = (exps - 6).to(torch.uint8)[:, None]
+    else:  # one block per row, scale 2^(k-3)
+        weight = (rows * torch.exp2(-(exps[:, None] - 127.0) + 3.0)).to(torch.float8_e4m3fn)
+        scale = torch.exp2(exps.double() - 127.0 - 3.0).float()[:, None]
+    weight = weight.reshape(8, 1, 32).cuda()
+    scale = None if scale is None else scale.reshape(8, 1, 1).cuda()
+    block = (1, 32)
+    want_w, want_s = quant.requantize(weight, scale, src, W.MXFP4, block, use_triton=False)
+    cfg = kernels.KernelConfig(e2m1_ptx=e2m1_ptx)
+    got_w, got_s, flag = kernels.requantize_triton_async(
+        weight, scale, src, W.MXFP4, block, config=cfg
+    )
+    assert int(flag.item()) == 0
+    assert_bitwise_equal(got_w, want_w, f"{src.value} ties: Triton vs torch")
+    assert_bitwise_equal(got_s, want_s, f"{src.value} tie scales")
+    codes = quant.unpack_e2m1(got_w.cpu())[:, 0, :15]
+    assert codes.tolist() == [FP4_TIE_CODES] * 8
+    assert got_s.cpu().flatten().tolist() == exps.tolist()
 
 
 @pytest.mark.parametrize("exponent", [0, 1, 30, 117, 127, 140, 245])

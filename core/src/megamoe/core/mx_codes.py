@@ -12,7 +12,7 @@ from torch import Tensor
 
 UE8M0_BIAS = 127  # UE8M0 byte e encodes 2^(e - 127)
 E2M1_MAX = 6.0  # largest E2M1 magnitude
-FP4_THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # decision boundaries between codes
+FP4_THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # midpoints between codes k and k+1
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of codes 0..7
 
 _UE8M0_DTYPES = (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))
@@ -113,9 +113,12 @@ def float32_to_ue8m0(pow2: Tensor, *, check: bool = True) -> Tensor:
 def float32_to_e2m1(y: Tensor) -> Tensor:
     """Round float32 ``y`` (already multiplied by 1/scale) to E2M1 codes, as DeepGEMM does.
 
-    The magnitude code is the number of ``FP4_THRESHOLDS`` that ``|y|`` strictly exceeds,
-    so ties round toward zero (not to even) and everything above 5.0 saturates to 6.0.
-    The sign bit is set only when ``y < 0`` and the code is not zero (no negative zero).
+    Round to nearest, ties to even (the OCP MX rule and sgl-deep-gemm 0.2.5's
+    ``per_token_cast_to_fp4``): magnitude codes 0..7 are ``E2M1_VALUES``, and a tie between
+    two of them goes to the even code (the one whose mantissa bit is clear), so ``|y|`` at
+    0.75, 1.75 or 3.5 rounds up and at 0.25, 1.25, 2.5 or 5.0 down. Everything above 5.0
+    saturates to 6.0. The sign bit is set only when ``y < 0`` and the code is not zero (no
+    negative zero).
 
     Args:
         y: float32 tensor (finite; NaN gives code 0).
@@ -125,8 +128,9 @@ def float32_to_e2m1(y: Tensor) -> Tensor:
     """
     magnitude = y.abs()
     code = torch.zeros(y.shape, dtype=torch.uint8, device=y.device)
-    for threshold in FP4_THRESHOLDS:
-        code += magnitude > threshold
+    for upper, threshold in enumerate(FP4_THRESHOLDS, start=1):
+        # The tie belongs to the even one of the two neighbouring codes.
+        code += (magnitude >= threshold) if upper % 2 == 0 else (magnitude > threshold)
     return code | (((y < 0) & (code != 0)).to(torch.uint8) << 3)
 
 

@@ -11,7 +11,8 @@ computes, on float32 bits where rounding could differ:
   value, so one reduction gives the amax and flags non-finite input;
 - ``ceil_to_ue8m0`` and the reciprocal of a power of two are integer operations on the
   exponent field (exact);
-- E2M1 rounding (ties toward zero) is integer arithmetic on the float32 bits.
+- E2M1 rounding (to nearest, ties to the even code) is exact arithmetic on the float32
+  bits.
 
 A tile is ``(R, G, 32)``: R rows of one matrix, G groups of 32 logical columns.
 """
@@ -32,26 +33,28 @@ UE8M0_ZERO_BITS: tl.constexpr = tl.constexpr(0x00400000)  # float32 2^-127: UE8M
 NAN_BITS: tl.constexpr = tl.constexpr(0x7FC00000)  # float32 quiet NaN: UE8M0 byte 255
 TWO_POW_126: tl.constexpr = tl.constexpr(2.0**126)  # E2M1 bits at bit 22 -> value
 
-# E2M1 codes of two float32 (|y| <= 6) packed in one byte. The code of v = |y| is the
-# number of thresholds 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0 that v strictly exceeds. The
-# map u(v) = min(2v, v + 2, v/2 + 4) sends the thresholds to 0.5, 1.5, ..., 6.5, so the
-# code is ceil(u(v) - 0.5) = ceil(min(2v - 0.5, v + 1.5, v/2 + 3.5)). Each term is
-# rounded up (.rp): a value just above a threshold can never round onto it, and one just
-# below rounds at most onto it (thresholds map to integers), so the ceiling is exact.
-# The minimum is taken on the float bits as signed integers (one 3-way integer min):
-# only the first term can be negative, and it is then the minimum either way. Adding
-# 3*2^22 (+8 for y < -0.25, i.e. negative with a non-zero code), rounded up, leaves
-# ceil(...) (+8) in the low mantissa bits: the 4-bit code with its sign.
+# E2M1 codes of two float32 (|y| <= 6) packed in one byte, rounded to nearest with ties to
+# the even code (as ``mx_codes.float32_to_e2m1``). With v = |y|, the code is
+#   min(rint(2v), rint(v) + 2, rint(v/2) + 4, 7)
+# where rint rounds half to even: on [0, 2] the codes 0..4 are 2v, on [2, 4] the codes
+# 4..6 are v + 2, on [4, 6] the codes 6, 7 are v/2 + 4, and each term is the smallest on its
+# own interval; adding an even integer keeps the parity, so each tie goes to the even
+# code. 2v, v and v/2 are exact, and so is each rint: adding M = 1.5 * 2^23 (plus 2 or 4)
+# in one round-to-nearest-even step (fma, or add) leaves M + rint(term) in the float, with
+# the integer in the low mantissa bits (spacing 1 between 2^23 and 2^24). The minimum is
+# taken on the float bits as signed integers (positive floats order like their bits).
+# Adding 8 for y < -0.25 (negative with a non-zero code) gives the 4-bit code and its sign.
 _E2M1_ONE = """
 abs.f32 a, {y};
-fma.rp.f32 t, a, 0f40000000, 0fBF000000;
-add.rp.f32 m, a, 0f3FC00000;
-fma.rp.f32 n, a, 0f3F000000, 0f40600000;
+fma.rn.f32 t, a, 0f40000000, 0f4B400000;
+add.rn.f32 m, a, 0f4B400002;
+fma.rn.f32 n, a, 0f3F000000, 0f4B400004;
 min.s32 t, t, m;
 min.s32 t, t, n;
+min.s32 t, t, 0x4B400007;
 setp.lt.f32 p, {y}, 0fBE800000;
-selp.b32 k, 0x4B400008, 0x4B400000, p;
-add.rp.f32 {out}, t, k;
+selp.b32 k, 8, 0, p;
+or.b32 {out}, t, k;
 """
 _E2M1_PAIR_PTX: tl.constexpr = tl.constexpr(
     "{\n.reg .pred p;\n.reg .b32 a, m, n, t, k, lo, hi;\n"
@@ -104,7 +107,7 @@ def ue8m0_reciprocal(e: tl.tensor) -> tl.tensor:
 def f32_pair_to_e2m1_byte(y_even: tl.tensor, y_odd: tl.tensor) -> tl.tensor:
     """Packed E2M1 byte (int32, even column in the low nibble) of two float32 tensors.
 
-    Same codes as ``quant._float32_to_e2m1`` for |y| <= 6, in PTX (see ``_E2M1_PAIR_PTX``).
+    Same codes as ``mx_codes.float32_to_e2m1`` for |y| <= 6, in PTX (see ``_E2M1_ONE``).
     """
     return tl.inline_asm_elementwise(
         _E2M1_PAIR_PTX, "=r,r,r", [y_even, y_odd], dtype=tl.int32, is_pure=True, pack=1
@@ -113,17 +116,20 @@ def f32_pair_to_e2m1_byte(y_even: tl.tensor, y_odd: tl.tensor) -> tl.tensor:
 
 @triton.jit
 def f32_to_e2m1(y: tl.tensor) -> tl.tensor:
-    """E2M1 code (int32 0..15) of float32 ``y`` (|y| <= 6) with portable integer operations.
+    """E2M1 code (int32 0..15) of float32 ``y`` (|y| < 7) with portable integer operations.
 
-    From 1.0 up E2M1 keeps one mantissa bit: adding half its ulp minus one float32 ulp and
-    dropping 22 bits rounds ties down, and ``(exponent, bit) - 252`` is the code; below 1.0
-    that expression is at most the code, and two comparisons give 0, 1 or 2. Slower than
-    ``f32_pair_to_e2m1_byte`` but needs no PTX (runs in the Triton interpreter).
+    From 1.0 up E2M1 keeps one mantissa bit: adding half its ulp minus one float32 ulp,
+    plus the kept bit, and dropping 22 bits rounds to nearest with ties to even (the kept
+    bit is the code's parity), and ``(exponent, bit) - 252`` is the code; below 1.0 that
+    expression is at most the code, and two comparisons (0.25 rounds down, 0.75 up) give
+    0, 1 or 2. Slower than ``f32_pair_to_e2m1_byte`` but needs no PTX (runs in the Triton
+    interpreter).
     """
     bits = y.to(tl.int32, bitcast=True)
     magnitude = bits & ABS_MASK
-    large = (magnitude + (0x1FFFFF - (252 << 22))) >> 22
-    small = (magnitude > 0x3E800000).to(tl.int32) + (magnitude > 0x3F400000).to(tl.int32)
+    kept = (magnitude >> 22) & 1
+    large = (magnitude + kept + (0x1FFFFF - (252 << 22))) >> 22
+    small = (magnitude > 0x3E800000).to(tl.int32) + (magnitude >= 0x3F400000).to(tl.int32)
     code = tl.maximum(large, small)
     return code | tl.where(code != 0, (bits >> 28) & 8, 0)
 
