@@ -14,7 +14,7 @@ from megamoe.core import quant
 from megamoe.core.adapters import SyntheticSizes
 from megamoe.core.checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointReader, open_checkpoint
 from megamoe.core.errors import CheckpointError
-from megamoe.core.formats import WeightFormat
+from megamoe.core.formats import RUN_FORMATS, WeightFormat
 from megamoe.core.testing import (
     synthetic_dense,
     synthetic_expert_tensors,
@@ -22,7 +22,7 @@ from megamoe.core.testing import (
     write_synthetic_checkpoint,
 )
 
-FORMATS = list(WeightFormat)
+FORMATS = list(RUN_FORMATS)  # NVFP4: tests/test_nvfp4_checkpoints.py
 SIZES = SyntheticSizes(num_layers=2, hidden_size=256, intermediate_size=256, num_experts=4)
 EXPERT = "model.layers.1.mlp.experts.2.down_proj"
 

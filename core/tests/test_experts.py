@@ -27,11 +27,11 @@ from megamoe.core.errors import (
 from megamoe.core.expert_loading import STAGE_WHOLE_RELOAD
 from megamoe.core.experts import MegaMoEExperts
 from megamoe.core.finiteness import NonFiniteLedger
-from megamoe.core.formats import WeightFormat
+from megamoe.core.formats import RUN_FORMATS, WeightFormat
 from megamoe.core.tagging import KernelTag, check_tags, tag
 from megamoe.core.testing import synthetic_expert_tensors
 
-FORMATS = list(WeightFormat)
+FORMATS = list(RUN_FORMATS)
 H, INTER = 256, 256
 Stream = list[tuple[str, torch.Tensor]]
 
@@ -156,7 +156,8 @@ def test_kernel_tag_describes_itself():
         ({"top_k": 5}, r"top_k=5 must be in \[1, num_experts=4\]"),
         ({"num_shared_experts": -1}, r"num_shared_experts=-1 must be >= 0"),
         ({"max_num_tokens": 0}, r"max_num_tokens=0 must be >= 1"),
-        ({"weight_format": "nvfp4"}, r"unknown weight format 'nvfp4'.*NVFP4"),
+        ({"weight_format": "nvfp4"}, r"weight_format='nvfp4' is a checkpoint format megamoe"),
+        ({"weight_format": "fp6"}, r"unknown weight format 'fp6'"),
         ({"backend": "fast"}, r"unknown experts backend 'fast'"),
     ],
 )

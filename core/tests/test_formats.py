@@ -14,6 +14,7 @@ FORMAT_TABLE = [
     (WeightFormat.FP8_BLOCK, torch.float8_e4m3fn, 1, (128, 128), torch.float32, "weight_scale_inv"),
     (WeightFormat.MXFP8, torch.float8_e4m3fn, 1, (1, 32), torch.uint8, "weight_scale"),
     (WeightFormat.MXFP4, torch.uint8, 2, (1, 32), torch.uint8, "weight_scale"),
+    (WeightFormat.NVFP4, torch.uint8, 2, (1, 16), torch.float8_e4m3fn, "weight_scale"),
 ]
 
 
@@ -37,9 +38,9 @@ def test_parse_accepts_values_and_members() -> None:
 
 def test_parse_rejects_unknown_by_name() -> None:
     with pytest.raises(
-        ValueError, match=r"unknown weight format 'nvfp4'.*bf16, fp8_block, mxfp8, mxfp4"
+        ValueError, match=r"unknown weight format 'fp6'.*bf16, fp8_block, mxfp8, mxfp4, nvfp4"
     ):
-        WeightFormat.parse("nvfp4")
+        WeightFormat.parse("fp6")
 
 
 @pytest.mark.parametrize(
@@ -47,7 +48,7 @@ def test_parse_rejects_unknown_by_name() -> None:
     [
         ("sm90", {WeightFormat.FP8_BLOCK}),
         ("sm100", {WeightFormat.BF16, WeightFormat.MXFP8, WeightFormat.MXFP4}),
-        ("reference", set(WeightFormat)),
+        ("reference", set(formats.RUN_FORMATS)),
     ],
 )
 def test_runnable_formats(arch: str, runs: set[WeightFormat]) -> None:
@@ -59,6 +60,15 @@ def test_runnable_formats(arch: str, runs: set[WeightFormat]) -> None:
         assert run in runs
         if fmt in runs:
             assert run is fmt
+
+
+def test_nvfp4_is_a_checkpoint_format_no_target_runs() -> None:
+    """megamoe's backends do not run NVFP4 (DeepGEMM 0.2.5's nvfp4_mega_moe is not wired)."""
+    assert WeightFormat.NVFP4 not in formats.RUN_FORMATS
+    for arch in formats.ARCHES:
+        assert WeightFormat.NVFP4 not in formats.runnable_formats(arch)
+        with pytest.raises(ValueError, match=rf"moe_format='nvfp4' cannot run on {arch}"):
+            resolve_formats("mxfp8", "nvfp4", arch=arch)
 
 
 def test_unknown_arch() -> None:
@@ -78,6 +88,9 @@ def _fresh_warning_state(monkeypatch: pytest.MonkeyPatch) -> None:
         (WeightFormat.MXFP8, "sm90", WeightFormat.FP8_BLOCK),
         (WeightFormat.MXFP4, "sm90", WeightFormat.FP8_BLOCK),
         (WeightFormat.BF16, "sm90", WeightFormat.FP8_BLOCK),
+        (WeightFormat.NVFP4, "sm90", WeightFormat.FP8_BLOCK),
+        (WeightFormat.NVFP4, "sm100", WeightFormat.MXFP8),
+        (WeightFormat.NVFP4, "reference", WeightFormat.MXFP8),
     ],
 )
 def test_implicit_conversion_warns_once_naming_option(checkpoint_format, arch, converted) -> None:

@@ -13,7 +13,7 @@ import torch
 from megamoe.core.errors import NonFiniteError
 from megamoe.core.expert_loading import STAGE_WHOLE_RELOAD
 from megamoe.core.experts import MegaMoEExperts
-from megamoe.core.formats import WeightFormat
+from megamoe.core.formats import RUN_FORMATS, WeightFormat
 from megamoe.core.lifetime import assert_freed_without_gc
 from megamoe.core.testing import one_rank_experts, synthetic_expert_tensors
 
@@ -105,7 +105,7 @@ def _exercised(run_format: WeightFormat, device: str) -> MegaMoEExperts:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("run_format", list(WeightFormat), ids=lambda f: f.value)
+@pytest.mark.parametrize("run_format", list(RUN_FORMATS), ids=lambda f: f.value)
 def test_experts_are_freed_on_del_without_the_garbage_collector(
     run_format: WeightFormat, device: str
 ) -> None:

@@ -728,9 +728,14 @@ BAD_CALLS: dict[str, tuple[Callable[[], object], type[Exception], str]] = {
         "expected (4, 2)",
     ),
     "unknown format": (
+        lambda: quant.requantize(torch.ones(4, 64), None, "bf16", "fp6"),
+        ValueError,
+        "unknown weight format 'fp6'",
+    ),
+    "nvfp4 target": (
         lambda: quant.requantize(torch.ones(4, 64), None, "bf16", "nvfp4"),
         ValueError,
-        "unknown weight format 'nvfp4'",
+        "cannot requantize to nvfp4; targets are mxfp8, mxfp4, fp8_block",
     ),
 }
 

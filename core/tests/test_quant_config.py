@@ -11,6 +11,7 @@ from megamoe.core.quant_config import CONVERTED_KEY, detect_expert_format, mark_
 
 PREFIX = "model.layers.3.mlp.experts"
 FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+MODELOPT = {"quant_method": "modelopt", "quant_algo": "NVFP4", "kv_cache_scheme": None}
 
 
 def _ct(fmt: str, **extra: Any) -> dict[str, Any]:
@@ -35,6 +36,11 @@ def _ct(fmt: str, **extra: Any) -> dict[str, Any]:
         (_ct("mxfp4-pack-quantized"), WeightFormat.MXFP4),
         (_ct("mxfp8-quantized"), WeightFormat.MXFP8),
         ({"quant_method": "compressed-tensors", "format": "mxfp8-quantized"}, WeightFormat.MXFP8),
+        (_ct("nvfp4-pack-quantized"), WeightFormat.NVFP4),
+        (MODELOPT, WeightFormat.NVFP4),
+        ({**MODELOPT, "quant_algo": "nvfp4", "group_size": 16}, WeightFormat.NVFP4),
+        ({**MODELOPT, "quant_algo": "W4A16_NVFP4"}, WeightFormat.NVFP4),
+        ({"quant_method": "modelopt", "quantization": {"quant_algo": "NVFP4"}}, WeightFormat.NVFP4),
     ],
 )
 def test_detected_format(config: dict[str, Any] | None, expected: WeightFormat) -> None:
@@ -94,8 +100,8 @@ def test_partial_ignore_is_refused_naming_the_modules() -> None:
         ({"quant_method": "fp8"}, r"without weight_block_size"),
         ({**FP8, "fmt": "e5m2"}, r"fmt='e5m2'"),
         ({"quant_method": "awq", "bits": 4}, r"quant_method='awq' is not supported"),
-        ({"quant_method": "modelopt"}, r"quant_method='modelopt'"),
-        (_ct("nvfp4-pack-quantized"), r"format 'nvfp4-pack-quantized' is not supported"),
+        ({"quant_method": "modelopt"}, r"ModelOpt quant_algo=None is not supported"),
+        (_ct("pack-quantized"), r"format 'pack-quantized' is not supported"),
         (_ct("float-quantized"), r"format 'float-quantized'"),
     ],
 )
@@ -140,3 +146,46 @@ def test_mark_converted_changes_exactly_the_listed_experts(original: dict[str, A
         mark_converted(config, WeightFormat.MXFP8, [other])
     with pytest.raises(ValueError, match=rf"{CONVERTED_KEY} must be an object"):
         detect_expert_format({CONVERTED_KEY: ["x"]}, PREFIX)
+
+
+@pytest.mark.parametrize(
+    "ignore",
+    [
+        ["lm_head", "model.layers.3.mlp.experts"],
+        ["model.layers.*.mlp.experts"],  # ModelOpt's wildcards
+        ["model.layers.3.mlp*"],
+        ["model.layers.3.mlp.experts.*"],  # everything below the experts module
+    ],
+)
+@pytest.mark.parametrize("key", ["ignore", "exclude_modules"])
+def test_modelopt_ignored_experts_are_bf16(ignore: list[str], key: str) -> None:
+    assert detect_expert_format({**MODELOPT, key: ignore}, PREFIX, num_experts=4) is (
+        WeightFormat.BF16
+    )
+    nested = {"quant_method": "modelopt", "quantization": {"quant_algo": "NVFP4", key: ignore}}
+    assert detect_expert_format(nested, PREFIX, num_experts=4) is WeightFormat.BF16
+
+
+def test_modelopt_wildcards_of_other_modules_keep_nvfp4() -> None:
+    config = {**MODELOPT, "ignore": ["lm_head", "model.layers.*.mlp.gate", "*.shared_expert*"]}
+    assert detect_expert_format(config, PREFIX, num_experts=4) is WeightFormat.NVFP4
+    shared = "model.layers.3.mlp.shared_expert"
+    assert detect_expert_format(config, shared) is WeightFormat.BF16
+
+
+def test_modelopt_wildcard_over_some_experts_is_refused() -> None:
+    config = {**MODELOPT, "ignore": ["model.layers.3.mlp.experts.[01].*"]}
+    with pytest.raises(NotImplementedError, match="ignores only some routed expert modules"):
+        detect_expert_format(config, PREFIX, num_experts=4)
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        ({**MODELOPT, "quant_algo": "FP8"}, r"ModelOpt quant_algo='FP8' is not supported .* NVFP4"),
+        ({**MODELOPT, "group_size": 32}, r"ModelOpt NVFP4 group_size=32 is not supported"),
+    ],
+)
+def test_modelopt_refusals_name_the_setting(config: dict[str, Any], match: str) -> None:
+    with pytest.raises(NotImplementedError, match=match):
+        detect_expert_format(config, PREFIX)

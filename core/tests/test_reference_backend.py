@@ -31,10 +31,10 @@ from megamoe.core.backends.reference import ReferenceBackend
 from megamoe.core.bitcheck import relative_error
 from megamoe.core.errors import CapabilityError, FormatMismatchError
 from megamoe.core.experts import MegaMoEExperts
-from megamoe.core.formats import WeightFormat
+from megamoe.core.formats import RUN_FORMATS, WeightFormat
 from megamoe.core.testing import one_rank_experts, synthetic_expert_tensors
 
-FORMATS = list(WeightFormat)
+FORMATS = list(RUN_FORMATS)
 H, INTER = 256, 256
 E2M1_MAGNITUDE = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
 PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}

@@ -100,7 +100,7 @@ def test_registered_entry_point_resolves_to_the_adapter() -> None:
 
 
 def test_synthetic_config_refuses_what_glm_cannot_store() -> None:
-    with pytest.raises(ValueError, match=r"store experts as fp8_block or bf16, got mxfp4"):
+    with pytest.raises(ValueError, match=r"store experts as fp8_block, nvfp4 or bf16, got mxfp4"):
         ADAPTER.synthetic_config(WeightFormat.MXFP4, SyntheticSizes())
     with pytest.raises(
         ValueError, match=r"shared_intermediate_size=384 must be a positive multiple"

@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 import torch
 from safetensors import safe_open
 
+from megamoe.core import nvfp4
 from megamoe.core.adapters import ModelAdapter, MoELayer, SharedExpert, adapter_for
 from megamoe.core.checkpoint_files import (
     CONFIG_FILE,
@@ -50,10 +51,12 @@ from megamoe.core.expert_names import (
     FUSED_GATE_UP,
     WEIGHT,
     TensorSpec,
+    checkpoint_kinds,
     parse_expert_name,
     parse_single_name,
     projection_shape,
     projection_specs,
+    required_kinds,
     weight_kinds,
 )
 from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
@@ -225,7 +228,7 @@ class CheckpointReader:
         """Raise naming the file and tensor when ``got`` differs from ``want``."""
         if got.dtype != want.dtype:
             found = f"has dtype {got.dtype}, expected {want.dtype}"
-        elif got.shape != want.shape:
+        elif not want.accepts(got):
             found = f"has shape {got.shape}, expected {want.shape}"
         else:
             return
@@ -287,6 +290,13 @@ class CheckpointReader:
     def _check_shared(self, shared: SharedExpert, hidden: int) -> None:
         """The shared expert's tensors: names, dtypes, shapes, and all of them present."""
         fmt, inter = shared.checkpoint_format, shared.intermediate_size
+        if fmt is WeightFormat.NVFP4:
+            raise UnsupportedCheckpointError(
+                f"{self.path / CONFIG_FILE}: the shared expert {shared.prefix} is stored as "
+                "NVFP4, which megamoe loads for routed experts only; list it in the "
+                "quantization_config's ignore list with BF16 weights, or use a checkpoint "
+                "whose shared expert is BF16, block-FP8 or MX"
+            )
         quant = quantization_config(self.config) or {}
         block = tuple(quant.get("weight_block_size") or BLOCK_FP8_DEFAULT)
         kinds = {*weight_kinds(fmt), *((fmt.scale_name,) if fmt.scale_name else ())}
@@ -349,6 +359,32 @@ class CheckpointReader:
             raise CheckpointError(
                 f"{self.path / file}: reading tensor {name!r} failed ({err})"
             ) from None
+
+    def read_projection(
+        self, stem: str, fmt: WeightFormat
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One projection's weight and the ``scale`` that ``quant.dequantize`` takes for it.
+
+        Args:
+            stem: the projection, e.g. ``model.layers.3.mlp.experts.5.up_proj``.
+            fmt: how the checkpoint stores it.
+
+        Returns:
+            The weight under whichever name ``fmt`` allows (``weight_packed`` too; the slice
+            of a fused tensor) and its scale: None for BF16, the scale tensor, or for NVFP4
+            the float32 block scales with the global scale applied (ModelOpt
+            ``weight_scale_2`` or compressed-tensors ``weight_global_scale``).
+
+        Raises:
+            CheckpointError: a tensor is missing or fails to read.
+        """
+        parts: dict[str, torch.Tensor] = {}
+        for names in required_kinds(fmt):
+            kind = next((k for k in names if f"{stem}.{k}" in self), names[0])
+            half = nvfp4.loaded_half(kind, self.get_tensor(f"{stem}.{kind}"), f"{stem}.{kind}")
+            if half is not None:
+                parts[WEIGHT if kind in weight_kinds(fmt) else half[0]] = half[1]
+        return parts[WEIGHT], nvfp4.shard_scale(fmt, parts, stem)
 
     def fused_piece(self, name: str) -> FusedPiece | None:
         """Where per-expert projection ``name`` lies when the checkpoint stores it fused.
@@ -457,7 +493,7 @@ def _read(f: Any, name: str, piece: FusedPiece | None) -> torch.Tensor:
 
 def _routed_pattern(fmt: WeightFormat) -> str:
     """The routed-expert tensor names of ``fmt``, for messages."""
-    kinds = {*weight_kinds(fmt), *((fmt.scale_name,) if fmt.scale_name else ())}
+    kinds = set(checkpoint_kinds(fmt))
     pattern = "{e}.{gate,up,down}_proj.{" + ",".join(sorted(kinds)) + "}"
     if fmt is WeightFormat.BF16:
         pattern += f" or fused {FUSED_GATE_UP} / {FUSED_DOWN}"
@@ -483,22 +519,21 @@ def _check_complete(
     if fused:
         missing = [p for p in (FUSED_GATE_UP, FUSED_DOWN) if (None, p) not in present]
     else:
-        kinds = weight_kinds(fmt)
-        missing = []
-        for e in experts:
-            for proj in EXPERT_PROJS:
-                got = present.get((e, proj), set())
-                if not got & set(kinds):
-                    missing.append(f"{e}.{proj}.weight")
-                if fmt.scale_name is not None and fmt.scale_name not in got:
-                    missing.append(f"{e}.{proj}.{fmt.scale_name}")
+        required = required_kinds(fmt)
+        missing = [
+            f"{e}.{proj}.{names[0]}"
+            for e in experts
+            for proj in EXPERT_PROJS
+            for names in required
+            if not present.get((e, proj), set()) & set(names)
+        ]
     if missing:
         where = f"{index.parent} ({index.name})" if index.is_file() else f"{index} ({SINGLE_FILE})"
+        needs = " and ".join(" or ".join(names) for names in required_kinds(fmt))
         raise CheckpointError(
             f"{where}: {len(missing)} routed-expert tensor(s) of {prefix} are missing "
             f"from the checkpoint, e.g. "
-            f"{format_keys(missing)}; a {fmt.value} expert needs weight"
-            f"{' and ' + fmt.scale_name if fmt.scale_name else ''} for gate, up and down"
+            f"{format_keys(missing)}; a {fmt.value} expert needs {needs} for gate, up and down"
         )
 
 

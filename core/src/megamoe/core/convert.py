@@ -27,7 +27,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from megamoe.core import quant
+from megamoe.core import nvfp4, quant
 from megamoe.core.adapters import MoELayer
 from megamoe.core.checkpoint import (
     CONFIG_FILE,
@@ -44,9 +44,12 @@ from megamoe.core.convert_output import (
     write_new,
 )
 from megamoe.core.expert_names import (
+    CT_GLOBAL_SCALE,
     EXPERT_PROJS,
     FUSED_DOWN,
     FUSED_GATE_UP,
+    GLOBAL_SCALE,
+    INPUT_SCALES,
     WEIGHT,
     TensorSpec,
     parse_expert_name,
@@ -58,6 +61,7 @@ from megamoe.core.expert_names import (
 from megamoe.core.finiteness import check_block_scales
 from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
 from megamoe.core.hf_config import quantization_config
+from megamoe.core.quant_config import unmark_converted
 from megamoe.core.shardfile import (
     ShardWriter,
     TensorEntry,
@@ -109,12 +113,17 @@ class _Source:
 
 @dataclass(frozen=True)
 class _Projection:
-    """One expert projection to requantize: ``{name}.weight`` and ``{name}.<scale>``."""
+    """One expert projection to requantize: ``{name}.weight`` and ``{name}.<scale>``.
+
+    NVFP4 projections also have their global scale (``global_scale``, under its checkpoint
+    name); their input scales are left out of the output (the run formats have none).
+    """
 
     name: str
     weight: _Source
     scale: _Source | None
     src: WeightFormat
+    global_scale: tuple[str, _Source] | None = None
 
 
 @dataclass
@@ -127,6 +136,9 @@ class _Plan:
     layers: list[tuple[MoELayer, list[_Projection]]] = field(default_factory=list)
     # Block-FP8 expert scales copied unchanged: checked (> 0) while they are copied.
     checked_scales: set[str] = field(default_factory=set)
+    # Shared experts stored unlike the routed ones: they run apart, in their stored format,
+    # online too, so they are copied as they are (offline equals online).
+    stored_apart: list[str] = field(default_factory=list)
 
 
 def convert_checkpoint(
@@ -181,8 +193,12 @@ def convert_checkpoint(
     remove_stale_partials(out)
     start = time.perf_counter()
     reader, adapter = open_checkpoint(src)
-    config = adapter.converted_config(reader.config, dst, reader.layers)
     plan = _plan(reader, dst)
+    config = adapter.converted_config(reader.config, dst, reader.layers)
+    if plan.stored_apart:  # left as stored: not converted
+        config["quantization_config"] = unmark_converted(
+            config["quantization_config"], plan.stored_apart
+        )
     for file in plan.files:
         plain_name(file, reader.path)
     partial = partial_path(out, os.getpid())
@@ -234,7 +250,15 @@ def _plan(reader: CheckpointReader, dst: WeightFormat) -> _Plan:
 
     for layer in reader.layers:
         projections: list[_Projection] = []
+        shared = adapter.shared_expert(reader.config, layer)
         for prefix in adapter.expert_prefixes(layer):
+            if (
+                shared is not None
+                and shared.prefix == prefix
+                and shared.checkpoint_format is not layer.checkpoint_format
+            ):
+                plan.stored_apart.append(prefix)
+                continue
             group = _group(reader, layer, prefix, dst, source)
             if not group:
                 plan.checked_scales |= {
@@ -316,8 +340,22 @@ def _group(
                 kind = next(k for k in weight_kinds(fmt) if f"{name}.{k}" in reader)
                 weight = source(f"{name}.{kind}")
                 scale = source(f"{name}.{fmt.scale_name}") if fmt.scale_name else None
-            projections.append(_Projection(name, weight, scale, fmt))
+            global_scale = _global(reader, name, fmt, source)
+            projections.append(_Projection(name, weight, scale, fmt, global_scale))
     return projections
+
+
+def _global(
+    reader: CheckpointReader, name: str, fmt: WeightFormat, source: Callable[..., _Source]
+) -> tuple[str, _Source] | None:
+    """An NVFP4 projection's global scale (kind, source); its input scales taken out."""
+    if fmt is not WeightFormat.NVFP4:
+        return None
+    for kind in INPUT_SCALES:  # the activations' scales: no part of the converted experts
+        if f"{name}.{kind}" in reader:
+            source(f"{name}.{kind}")
+    kind = next(k for k in (GLOBAL_SCALE, CT_GLOBAL_SCALE) if f"{name}.{k}" in reader)
+    return kind, source(f"{name}.{kind}")
 
 
 def _write(
@@ -381,12 +419,19 @@ def _convert_one(
             check_block_scales(scale, f"{proj.scale.file}: {proj.name}.{src.scale_name}")
         if src is WeightFormat.FP8_BLOCK and dst.is_mx and not quant.is_power_of_two(scale):
             quant.warn_not_power_of_two(layer.prefix, option_hint="--to fp8_block")
+    read = 0 if scale is None else scale.numel() * scale.element_size()
+    if proj.global_scale is not None and scale is not None:  # NVFP4: apply the global scale
+        kind, where = proj.global_scale
+        value = read_tensor(fds[where.file], where.entry)
+        multiplier = nvfp4.global_multiplier(kind, value, f"{where.file}: {proj.name}.{kind}")
+        scale = nvfp4.nvfp4_block_scale(scale, multiplier, proj.name)
+        nvfp4.warn_requantized(layer.prefix, src, dst, option="--to")
+        read += value.numel() * value.element_size()
     new_weight, new_scale = quant.requantize(weight, scale, src, dst, block, name=proj.name)
     writers[proj.weight.file].write(f"{proj.name}.{WEIGHT}", new_weight)
     scale_file = proj.scale.file if proj.scale is not None else proj.weight.file
     writers[scale_file].write(f"{proj.name}.{dst.scale_name}", new_scale)
-    read = weight.numel() * weight.element_size()
-    return read + (0 if scale is None else scale.numel() * scale.element_size())
+    return read + weight.numel() * weight.element_size()
 
 
 def _finish(

@@ -2,8 +2,11 @@
 
 Names are relative to a layer's experts prefix (``model.layers.3.mlp.experts``):
 
-- per expert: ``{e}.{gate,up,down}_proj.{weight,<scale>}`` (MXFP4 weights may be called
-  ``weight_packed``, the compressed-tensors name);
+- per expert: ``{e}.{gate,up,down}_proj.{weight,<scale>}`` (MXFP4 and NVFP4 weights may be
+  called ``weight_packed``, the compressed-tensors name); NVFP4 projections also hold a
+  global scale, ``weight_scale_2`` (ModelOpt) or ``weight_global_scale``
+  (compressed-tensors), and may hold an activation scale (``input_scale`` /
+  ``input_global_scale``), each one float32 value;
 - fused BF16: ``gate_up_proj`` (E, 2I, H), gate rows first, and ``down_proj`` (E, H, I).
 """
 
@@ -21,7 +24,10 @@ EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 FUSED_GATE_UP = "gate_up_proj"
 FUSED_DOWN = "down_proj"
 WEIGHT = "weight"
-WEIGHT_PACKED = "weight_packed"  # compressed-tensors name of packed MXFP4 weights
+WEIGHT_PACKED = "weight_packed"  # compressed-tensors name of packed E2M1 weights
+GLOBAL_SCALE = "weight_scale_2"  # NVFP4 global scale, a multiplier (ModelOpt)
+CT_GLOBAL_SCALE = "weight_global_scale"  # NVFP4 global scale, a divisor (compressed-tensors)
+INPUT_SCALES = ("input_scale", "input_global_scale")  # NVFP4 activation scales, unused
 
 
 class TensorSpec(NamedTuple):
@@ -34,6 +40,15 @@ class TensorSpec(NamedTuple):
     def nbytes(self) -> int:
         """Bytes the tensor occupies."""
         return math.prod(self.shape) * self.dtype.itemsize
+
+    def accepts(self, other: TensorSpec) -> bool:
+        """Same dtype and shape; a one-value spec (shape ``()``) also takes shape ``(1,)``."""
+        if other.dtype != self.dtype:
+            return False
+        return other.shape == self.shape or (self.shape == () and other.shape == (1,))
+
+
+ONE_FLOAT32 = TensorSpec(torch.float32, ())  # an NVFP4 global or activation scale
 
 
 @dataclass(frozen=True)
@@ -101,7 +116,8 @@ def projection_specs(
         blocks = (math.ceil(rows / block_size[0]), math.ceil(cols / block_size[1]))
         return weight, TensorSpec(torch.float32, blocks)
     block_cols = fmt.scale_block[1] if fmt.scale_block else 1
-    return weight, TensorSpec(torch.uint8, (rows, math.ceil(cols / block_cols)))
+    scale_dtype = fmt.scale_dtype or torch.uint8
+    return weight, TensorSpec(scale_dtype, (rows, math.ceil(cols / block_cols)))
 
 
 def expert_tensor_spec(
@@ -141,16 +157,41 @@ def expert_tensor_spec(
     weight, scale = projection_specs(
         fmt, *projection_shape(parsed.proj, hidden_size, intermediate_size), block_size
     )
-    if parsed.kind == WEIGHT or (parsed.kind == WEIGHT_PACKED and fmt is WeightFormat.MXFP4):
+    if parsed.kind in weight_kinds(fmt):
         return weight
     if scale is not None and parsed.kind == fmt.scale_name:
         return scale
+    if parsed.kind in checkpoint_kinds(fmt):
+        return ONE_FLOAT32  # NVFP4's global and activation scales
     return None
 
 
 def weight_kinds(fmt: WeightFormat) -> tuple[str, ...]:
     """Names the element tensor of a projection may have in ``fmt``."""
-    return (WEIGHT, WEIGHT_PACKED) if fmt is WeightFormat.MXFP4 else (WEIGHT,)
+    packed = fmt in (WeightFormat.MXFP4, WeightFormat.NVFP4)
+    return (WEIGHT, WEIGHT_PACKED) if packed else (WEIGHT,)
+
+
+def required_kinds(fmt: WeightFormat) -> tuple[tuple[str, ...], ...]:
+    """The tensors every projection needs in ``fmt``: each entry lists the names it may have."""
+    scales = () if fmt.scale_name is None else ((fmt.scale_name,),)
+    globals_ = ((GLOBAL_SCALE, CT_GLOBAL_SCALE),) if fmt is WeightFormat.NVFP4 else ()
+    return (weight_kinds(fmt), *scales, *globals_)
+
+
+def pairing_kinds(fmt: WeightFormat) -> tuple[str, ...]:
+    """The kinds that complete one projection when loading pairs them.
+
+    ``weight``, then each scale under its first name (NVFP4's global scale as
+    ``weight_scale_2``, whichever name the checkpoint gives it).
+    """
+    return (WEIGHT, *(names[0] for names in required_kinds(fmt)[1:]))
+
+
+def checkpoint_kinds(fmt: WeightFormat) -> tuple[str, ...]:
+    """Every tensor kind a projection may have in ``fmt`` (NVFP4: its input scales too)."""
+    kinds = tuple(k for names in required_kinds(fmt) for k in names)
+    return (*kinds, *INPUT_SCALES) if fmt is WeightFormat.NVFP4 else kinds
 
 
 def parse_single_name(name: str) -> tuple[str, str] | None:

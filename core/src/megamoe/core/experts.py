@@ -18,7 +18,7 @@ from megamoe.core.errors import MissingExpertsError, format_keys
 from megamoe.core.expert_layout import ExpertLayout
 from megamoe.core.expert_loading import ExpertLoading
 from megamoe.core.expert_names import projection_specs
-from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
+from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat, check_run_format
 from megamoe.core.pairing import SHARD_IDS
 from megamoe.core.swiglu import check_swiglu_limit
 from megamoe.core.tagging import KernelTag, check_tags, tag
@@ -94,7 +94,9 @@ class MegaMoEExperts(ExpertLoading, torch.nn.Module):
         super().__init__()
         self.prefix, self.emulate_kernel, self.process_group = prefix, emulate_kernel, process_group
         self.swiglu_limit = check_swiglu_limit(swiglu_limit, prefix or type(self).__name__)
-        self.weight_format = WeightFormat.parse(weight_format)
+        self.weight_format = check_run_format(
+            WeightFormat.parse(weight_format), prefix or type(self).__name__
+        )
         self.checkpoint_format = WeightFormat.parse(checkpoint_format)
         self.layout = ExpertLayout(
             num_experts, num_local_experts, experts_start_idx, num_logical_experts, top_k,

@@ -17,6 +17,7 @@ ARCHES = (ARCH_SM90, ARCH_SM100, ARCH_REFERENCE)
 
 BLOCK_FP8_DEFAULT = (128, 128)  # rows x columns of one float32 block scale
 MX_BLOCK = (1, 32)  # one UE8M0 scale per 32 consecutive columns of a row
+NVFP4_BLOCK = (1, 16)  # one E4M3 scale per 16 consecutive columns of a row
 
 
 class WeightFormat(enum.Enum):
@@ -32,12 +33,20 @@ class WeightFormat(enum.Enum):
       value 2^(e-127)), stored as ``weight_scale``. OCP Microscaling MXFP8.
     - ``MXFP4`` ``"mxfp4"``: E2M1 elements packed two per uint8 (low nibble = even column),
       one UE8M0 scale per 1x32, stored as ``weight_scale``. OCP Microscaling MXFP4.
+    - ``NVFP4`` ``"nvfp4"``: E2M1 elements packed as MXFP4, one E4M3 (``float8_e4m3fn``)
+      scale per 1x16 stored as ``weight_scale``, and one float32 global scale per tensor
+      stored as ``weight_scale_2`` (value = E2M1 x E4M3 x global). NVIDIA's NVFP4 as
+      ModelOpt writes it; compressed-tensors ``nvfp4-pack-quantized`` stores the reciprocal
+      global scale as ``weight_global_scale`` (``megamoe.core.expert_names`` has the names,
+      ``megamoe.core.nvfp4`` the rules). A checkpoint format only: megamoe requantizes it
+      to a format its kernels run.
     """
 
     BF16 = "bf16"
     FP8_BLOCK = "fp8_block"
     MXFP8 = "mxfp8"
     MXFP4 = "mxfp4"
+    NVFP4 = "nvfp4"
 
     @property
     def element_dtype(self) -> torch.dtype:
@@ -47,7 +56,7 @@ class WeightFormat(enum.Enum):
     @property
     def values_per_byte(self) -> int:
         """Weight values per stored element (2 for packed E2M1, else 1)."""
-        return 2 if self is WeightFormat.MXFP4 else 1
+        return 2 if self in (WeightFormat.MXFP4, WeightFormat.NVFP4) else 1
 
     @property
     def scale_block(self) -> tuple[int, int] | None:
@@ -82,10 +91,7 @@ class WeightFormat(enum.Enum):
             return cls(str(value).lower())
         except ValueError:
             valid = ", ".join(f.value for f in cls)
-            raise ValueError(
-                f"unknown weight format {value!r}; expected one of: {valid} "
-                "(NVFP4 and other formats MegaMoE cannot run are not supported)"
-            ) from None
+            raise ValueError(f"unknown weight format {value!r}; expected one of: {valid}") from None
 
 
 _ELEMENT_DTYPE = {
@@ -93,35 +99,46 @@ _ELEMENT_DTYPE = {
     WeightFormat.FP8_BLOCK: torch.float8_e4m3fn,
     WeightFormat.MXFP8: torch.float8_e4m3fn,
     WeightFormat.MXFP4: torch.uint8,
+    WeightFormat.NVFP4: torch.uint8,
 }
 _SCALE_BLOCK: dict[WeightFormat, tuple[int, int] | None] = {
     WeightFormat.BF16: None,
     WeightFormat.FP8_BLOCK: BLOCK_FP8_DEFAULT,
     WeightFormat.MXFP8: MX_BLOCK,
     WeightFormat.MXFP4: MX_BLOCK,
+    WeightFormat.NVFP4: NVFP4_BLOCK,
 }
 _SCALE_DTYPE: dict[WeightFormat, torch.dtype | None] = {
     WeightFormat.BF16: None,
     WeightFormat.FP8_BLOCK: torch.float32,
     WeightFormat.MXFP8: torch.uint8,
     WeightFormat.MXFP4: torch.uint8,
+    WeightFormat.NVFP4: torch.float8_e4m3fn,
 }
 _SCALE_NAME: dict[WeightFormat, str | None] = {
     WeightFormat.BF16: None,
     WeightFormat.FP8_BLOCK: "weight_scale_inv",
     WeightFormat.MXFP8: "weight_scale",
     WeightFormat.MXFP4: "weight_scale",
+    WeightFormat.NVFP4: "weight_scale",
 }
 
+# Formats megamoe's experts can hold and its backends run: every format but NVFP4.
+# sgl-deep-gemm 0.2.5 has an SM100 ``nvfp4_mega_moe`` kernel, but megamoe's DeepGEMM backend
+# does not call it (nor does its reference backend run NVFP4): NVFP4 checkpoints are
+# requantized to one of these while loading.
+RUN_FORMATS = (WeightFormat.BF16, WeightFormat.FP8_BLOCK, WeightFormat.MXFP8, WeightFormat.MXFP4)
 RUNNABLE_FORMATS: dict[str, frozenset[WeightFormat]] = {
     ARCH_SM90: frozenset({WeightFormat.FP8_BLOCK}),
     ARCH_SM100: frozenset({WeightFormat.BF16, WeightFormat.MXFP8, WeightFormat.MXFP4}),
-    ARCH_REFERENCE: frozenset(WeightFormat),
+    ARCH_REFERENCE: frozenset(RUN_FORMATS),
 }
-# Where the target cannot run the stored format: what it converts to by default.
+# Where the target cannot run the stored format: what it converts to by default. The
+# reference backend converts like SM100, whose run it emulates.
 _DEFAULT_CONVERSION = {
     ARCH_SM90: WeightFormat.FP8_BLOCK,
     ARCH_SM100: WeightFormat.MXFP8,
+    ARCH_REFERENCE: WeightFormat.MXFP8,
 }
 
 _warned: set[tuple[WeightFormat, WeightFormat, str]] = set()
@@ -159,6 +176,22 @@ def runnable_formats(arch: str) -> frozenset[WeightFormat]:
     return RUNNABLE_FORMATS[arch]
 
 
+def check_run_format(fmt: WeightFormat, what: str) -> WeightFormat:
+    """Return ``fmt`` when megamoe's experts can hold and run it (one of ``RUN_FORMATS``).
+
+    Raises:
+        ValueError: ``fmt`` is a checkpoint format only (NVFP4); the message names the fix.
+    """
+    if fmt not in RUN_FORMATS:
+        runs = ", ".join(f.value for f in RUN_FORMATS)
+        raise ValueError(
+            f"{what}: weight_format={fmt.value!r} is a checkpoint format megamoe does not run "
+            f"(it runs: {runs}); pass checkpoint_format={fmt.value!r} and one of those as "
+            "weight_format, and the experts are requantized while loading"
+        )
+    return fmt
+
+
 def resolve_formats(
     checkpoint: WeightFormat | str,
     requested: WeightFormat | str | None = None,
@@ -168,8 +201,9 @@ def resolve_formats(
 
     A requested (forced) run format wins. Otherwise the experts run as stored; where the
     target cannot run the stored format they are converted (block-FP8 on SM100 -> MXFP8;
-    BF16 or MX on SM90 -> FP8_BLOCK) with a warning, given once per conversion, that names
-    the ``moe_format`` option which chooses explicitly.
+    BF16 or MX on SM90 -> FP8_BLOCK; NVFP4 -> MXFP8 on SM100 and the reference backend,
+    FP8_BLOCK on SM90) with a warning, given once per conversion, that names the
+    ``moe_format`` option which chooses explicitly.
 
     Args:
         checkpoint: format the checkpoint stores the experts in.

@@ -2,7 +2,10 @@
 
 Every cast rounds exactly as DeepGEMM's reference casts (``per_token_cast_to_fp8`` /
 ``per_token_cast_to_fp4`` with ``use_ue8m0=True, gran_k=32``; ``per_block_cast_to_fp8``
-with ``use_ue8m0=False``) compute them on CUDA, on every device. Each cast is "dequantize
+with ``use_ue8m0=False``) compute them on CUDA, on every device; E2M1 rounds to nearest
+with ties to even, as sgl-deep-gemm 0.2.5 and the OCP MX rule do (0.1.4.post1 rounded
+ties toward zero). NVFP4 is a source format: its weights come with float32 block scales
+per 16 values (``megamoe.core.nvfp4``). Each cast is "dequantize
 a chunk to float32, then cast": the private ``_cast_mxfp8`` / ``_cast_mxfp4`` /
 ``_cast_fp8_block`` take float32 chunks and are the oracle a GPU kernel must match bit for
 bit. Notes for such a kernel: ``1/scale`` is a correctly rounded reciprocal (exact for the
@@ -23,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megamoe.core.errors import NonFiniteError
-from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
+from megamoe.core.formats import BLOCK_FP8_DEFAULT, NVFP4_BLOCK, WeightFormat
 from megamoe.core.mx_codes import (
     E2M1_MAX,
     E2M1_VALUES,
@@ -46,6 +49,7 @@ __all__ = [
     "E4M3_MAX",
     "FP4_THRESHOLDS",
     "MX_GROUP",
+    "NVFP4_GROUP",
     "TARGET_FORMATS",
     "UE8M0_BIAS",
     "WORKSPACE_BYTES",
@@ -69,6 +73,7 @@ AMAX_FLOOR = 1e-4  # a group's / block's amax is clamped below to this, as DeepG
 MX_GROUP = 32  # columns per UE8M0 scale (1x32)
 WORKSPACE_BYTES = 64 << 20  # float32 chunk that requantize dequantizes at a time (64 MiB)
 TARGET_FORMATS = (WeightFormat.MXFP8, WeightFormat.MXFP4, WeightFormat.FP8_BLOCK)
+NVFP4_GROUP = NVFP4_BLOCK[1]  # columns per NVFP4 block scale (16)
 
 _FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
 _TRITON_MODULE = "megamoe.core.kernels.requant_triton"
@@ -144,7 +149,8 @@ def _scale_shape(shape: torch.Size, fmt: WeightFormat, block: tuple[int, int]) -
     k = shape[-1] * fmt.values_per_byte
     if fmt is WeightFormat.FP8_BLOCK:
         return (*shape[:-2], -(-shape[-2] // block[0]), -(-k // block[1]))
-    return (*shape[:-1], -(-k // MX_GROUP))
+    group = NVFP4_GROUP if fmt is WeightFormat.NVFP4 else MX_GROUP
+    return (*shape[:-1], -(-k // group))
 
 
 def _checked(
@@ -175,11 +181,21 @@ def _checked(
         if scale.dtype not in _FLOAT_INPUTS:
             raise TypeError(f"{name}: fp8_block scale has dtype {scale.dtype}; expected float32")
         scale = scale.float()
+    elif fmt is WeightFormat.NVFP4:
+        if scale.dtype not in (torch.float32, torch.float8_e4m3fn):
+            raise TypeError(
+                f"{name}: nvfp4 scale has dtype {scale.dtype}; expected the float32 block scales "
+                "of nvfp4.nvfp4_block_scale (or float8_e4m3fn scales, global scale 1)"
+            )
+        scale = scale.float()
     else:
         scale = as_ue8m0_bytes(scale, f"{name}: {fmt.value} scale")
     expected = _scale_shape(weight.shape, fmt, block)
     if tuple(scale.shape) != expected:
-        granularity = f"{block[0]}x{block[1]} float32" if fmt is WeightFormat.FP8_BLOCK else "1x32"
+        granularity = {
+            WeightFormat.FP8_BLOCK: f"{block[0]}x{block[1]} float32",
+            WeightFormat.NVFP4: "1x16 float32",
+        }.get(fmt, "1x32")
         raise ValueError(
             f"{name}: scale has shape {tuple(scale.shape)}, expected {expected} for a "
             f"{fmt.value} weight of shape {tuple(weight.shape)} ({granularity} scales); check "
@@ -202,6 +218,8 @@ def _dequantize(
         full = scale.repeat_interleave(bn, dim=-2)[..., :r, :].repeat_interleave(bk, dim=-1)
         return values.float() * full[..., :k]
     x = values.float() if fmt is WeightFormat.MXFP8 else e2m1_to_float32(unpack_e2m1(values))
+    if fmt is WeightFormat.NVFP4:
+        return x * scale.repeat_interleave(NVFP4_GROUP, dim=-1)[..., : x.shape[-1]]
     return x * ue8m0_to_float32(scale).repeat_interleave(MX_GROUP, dim=-1)[..., : x.shape[-1]]
 
 
@@ -215,9 +233,11 @@ def dequantize(
 
     Args:
         values: stored elements: bf16/float (BF16), float8_e4m3fn (FP8_BLOCK, MXFP8; at
-            least 2-D for FP8_BLOCK), packed uint8 (..., K/2) (MXFP4).
+            least 2-D for FP8_BLOCK), packed uint8 (..., K/2) (MXFP4, NVFP4).
         scales: None (BF16); float32 (..., ceil(N/bn), ceil(K/bk)) (FP8_BLOCK); UE8M0
-            uint8 (..., ceil(K/32)) (MX).
+            uint8 (..., ceil(K/32)) (MX); NVFP4: float32 block scales (..., ceil(K/16)),
+            the E4M3 scale times the global scale (``nvfp4.nvfp4_block_scale``), or the
+            float8_e4m3fn scales themselves for a global scale of 1.
         fmt: the stored format.
         block_size: FP8_BLOCK block (rows, columns).
 
@@ -355,10 +375,11 @@ def requantize(
     power-of-two block scales requantizes to MXFP8 exactly (same dequantized values).
 
     Args:
-        weight: stored weight (..., N, K) (K/2 bytes for MXFP4) in ``src``; a
+        weight: stored weight (..., N, K) (K/2 bytes for MXFP4 and NVFP4) in ``src``; a
             non-contiguous one is copied once to flatten its leading dimensions.
-        scale: its scale as ``dequantize`` takes it (None for BF16).
-        src: stored format (any of the four).
+        scale: its scale as ``dequantize`` takes it (None for BF16; NVFP4: float32 block
+            scales, ``nvfp4.shard_scale``).
+        src: stored format (any; NVFP4 runs the torch path on every device).
         dst: MXFP8, MXFP4 or FP8_BLOCK; ``dst == src`` validates, checks for non-finite
             values and returns ``weight`` and ``scale`` themselves (no copy).
         block_size: FP8_BLOCK block (rows, columns), for a source or target in it.

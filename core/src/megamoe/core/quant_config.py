@@ -6,8 +6,12 @@ Understands the configs that store experts in a format megamoe loads (SPEC §3.6
 - Hugging Face / DeepSeek ``"fp8"`` with ``weight_block_size`` [128, 128]: FP8_BLOCK; experts
   listed in ``modules_to_not_convert`` (or ``ignored_layers``): BF16.
 - ``"mxfp8"`` / ``"mxfp4"`` quant methods: MXFP8 / MXFP4 (same ignore lists).
-- ``"compressed-tensors"`` with format ``mxfp8-quantized`` / ``mxfp4-pack-quantized``
-  (MXFP4 weights then named ``weight_packed``): MXFP8 / MXFP4; experts in ``ignore``: BF16.
+- ``"compressed-tensors"`` with format ``mxfp8-quantized`` / ``mxfp4-pack-quantized`` /
+  ``nvfp4-pack-quantized`` (packed weights then named ``weight_packed``): MXFP8 / MXFP4 /
+  NVFP4; experts in ``ignore``: BF16.
+- NVIDIA ModelOpt ``"modelopt"`` with ``quant_algo`` ``NVFP4`` (or weight-only
+  ``W4A16_NVFP4``) and group size 16, at the top level or under ``quantization``: NVFP4;
+  experts matching ``ignore`` (or ``exclude_modules``; ``*`` wildcards): BF16.
 
 A checkpoint written by ``megamoe convert`` keeps its original config and lists the converted
 expert modules under ``megamoe_converted_experts`` (``mark_converted``); that entry wins for
@@ -19,6 +23,7 @@ megamoe never guesses a format it would then load wrongly.
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -28,6 +33,11 @@ from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
 # quant_method values.
 METHOD_FP8 = "fp8"
 METHOD_COMPRESSED_TENSORS = "compressed-tensors"
+METHOD_MODELOPT = "modelopt"
+# ModelOpt quant_algo values whose weights are NVFP4 (W4A4 and weight-only W4A16).
+MODELOPT_NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
+MODELOPT_IGNORE_KEYS = ("ignore", "exclude_modules")  # config.json and hf_quant_config names
+NVFP4_GROUP_SIZE = 16
 # MX quant methods of HF-style configs, by their quant_method.
 MX_METHODS = {"mxfp8": WeightFormat.MXFP8, "mxfp4": WeightFormat.MXFP4}
 # compressed-tensors formats megamoe loads; "dense" leaves the weights in BF16.
@@ -35,6 +45,7 @@ COMPRESSED_TENSORS_FORMATS = {
     "dense": WeightFormat.BF16,
     "mxfp8-quantized": WeightFormat.MXFP8,
     "mxfp4-pack-quantized": WeightFormat.MXFP4,
+    "nvfp4-pack-quantized": WeightFormat.NVFP4,
 }
 # Keys HF-style configs use to list the modules kept in high precision.
 HF_IGNORE_KEYS = ("modules_to_not_convert", "ignored_layers")
@@ -95,7 +106,9 @@ def detect_expert_format(
         if method in MX_METHODS:
             return MX_METHODS[method]
         return _fp8_format(quantization_config, prefix)
-    known = ", ".join([METHOD_FP8, *MX_METHODS, METHOD_COMPRESSED_TENSORS])
+    if method == METHOD_MODELOPT:
+        return _modelopt_format(quantization_config, prefix, modules)
+    known = ", ".join([METHOD_FP8, *MX_METHODS, METHOD_COMPRESSED_TENSORS, METHOD_MODELOPT])
     raise NotImplementedError(
         f"{prefix}: quantization_config quant_method={method!r} is not supported for MegaMoE "
         f"experts (supported: {known}, or no quantization_config for BF16); convert the "
@@ -131,6 +144,29 @@ def mark_converted(
         )
     modules = sorted({*before.get("modules", ()), *prefixes})
     config[CONVERTED_KEY] = {"format": fmt.value, "modules": modules}
+    return config
+
+
+def unmark_converted(
+    quantization_config: Mapping[str, Any], prefixes: Iterable[str]
+) -> dict[str, Any]:
+    """``quantization_config`` with ``prefixes`` no longer listed as converted.
+
+    For expert groups ``megamoe convert`` left as stored (``mark_converted`` listed every
+    group of a converted layer).
+
+    Args:
+        quantization_config: a config ``mark_converted`` returned.
+        prefixes: module names to take out of its ``CONVERTED_KEY`` list.
+
+    Returns:
+        A new config; the original mapping is not changed.
+    """
+    config = dict(quantization_config)
+    entry = dict(config.get(CONVERTED_KEY) or {})
+    dropped = set(prefixes)
+    entry["modules"] = [m for m in entry.get("modules", ()) if m not in dropped]
+    config[CONVERTED_KEY] = entry
     return config
 
 
@@ -172,6 +208,30 @@ def _fp8_format(config: Mapping[str, Any], prefix: str) -> WeightFormat:
     return WeightFormat.FP8_BLOCK
 
 
+def _modelopt_format(
+    config: Mapping[str, Any], prefix: str, modules: Sequence[str]
+) -> WeightFormat:
+    """NVFP4 for a ModelOpt NVFP4 config (BF16 where it ignores the experts), else a refusal."""
+    nested = config.get("quantization")
+    settings = nested if isinstance(nested, Mapping) else config
+    if _ignored(settings, MODELOPT_IGNORE_KEYS, prefix, modules):
+        return WeightFormat.BF16
+    algo = str(settings.get("quant_algo") or "").upper()
+    if algo not in MODELOPT_NVFP4_ALGOS:
+        raise NotImplementedError(
+            f"{prefix}: ModelOpt quant_algo={settings.get('quant_algo')!r} is not supported for "
+            f"MegaMoE experts (supported: {', '.join(MODELOPT_NVFP4_ALGOS)}); convert the "
+            "checkpoint to NVFP4, block-FP8 or an MX format"
+        )
+    group = settings.get("group_size", NVFP4_GROUP_SIZE)
+    if group != NVFP4_GROUP_SIZE:
+        raise NotImplementedError(
+            f"{prefix}: ModelOpt NVFP4 group_size={group!r} is not supported; NVFP4 has one "
+            f"E4M3 scale per {NVFP4_GROUP_SIZE} values"
+        )
+    return WeightFormat.NVFP4
+
+
 def _compressed_tensors_format(config: Mapping[str, Any], prefix: str) -> WeightFormat:
     """The format of the compressed-tensors config group that targets the experts."""
     formats: set[str] = set()
@@ -195,8 +255,8 @@ def _compressed_tensors_format(config: Mapping[str, Any], prefix: str) -> Weight
     if name not in COMPRESSED_TENSORS_FORMATS:
         raise NotImplementedError(
             f"{prefix}: compressed-tensors format {name!r} is not supported for MegaMoE "
-            f"experts (supported: {', '.join(COMPRESSED_TENSORS_FORMATS)}); NVFP4 and integer "
-            "formats cannot run on MegaMoE: convert the checkpoint"
+            f"experts (supported: {', '.join(COMPRESSED_TENSORS_FORMATS)}); integer formats "
+            "cannot run on MegaMoE: convert the checkpoint"
         )
     return COMPRESSED_TENSORS_FORMATS[name]
 
@@ -230,7 +290,11 @@ def _ignored(
         return True
     hits = [m for m in modules if _matches_any(entries, (m,))]
     # Plain names below the prefix also say "part of the experts" without a count.
-    below = [e for e in entries if not e.startswith(REGEX_PREFIX) and e.startswith(prefix + ".")]
+    below = [
+        e
+        for e in entries
+        if not e.startswith(REGEX_PREFIX) and "*" not in e and e.startswith(prefix + ".")
+    ]
     if modules and len(hits) == len(modules):
         return True
     if hits or below:
@@ -248,7 +312,10 @@ def _matches_any(entries: Iterable[str], names: Iterable[str], class_name: str =
 
     Plain entries match whole dotted components (``lm_head`` matches ``lm_head``,
     ``mlp.experts`` matches ``model.layers.3.mlp.experts``); ``re:`` entries are regular
-    expressions matched from the start of the name; ``class_name`` matches as itself.
+    expressions matched from the start of the name; entries with ``*`` are shell-style
+    wildcards matched against the whole name (ModelOpt's ``model.layers.*.mlp.gate``; one
+    ending in ``.*`` also names the module above it);
+    ``class_name`` matches as itself.
     """
     names = list(names)
     for entry in entries:
@@ -257,6 +324,12 @@ def _matches_any(entries: Iterable[str], names: Iterable[str], class_name: str =
         for name in names:
             if entry.startswith(REGEX_PREFIX):
                 if re.match(entry[len(REGEX_PREFIX) :], name):
+                    return True
+            elif "*" in entry:
+                # "x.*" names everything below x, which covers x itself here.
+                if fnmatch.fnmatchcase(name, entry) or (
+                    entry.endswith(".*") and fnmatch.fnmatchcase(name, entry[:-2])
+                ):
                     return True
             elif _dotted_contains(name, entry):
                 return True

@@ -21,8 +21,11 @@ from safetensors.torch import save_file
 from megamoe.core import adapters as adapter_registry
 from megamoe.core.adapters import ModelAdapter, SyntheticSizes
 from megamoe.core.checkpoint import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
+from megamoe.core.expert_names import CT_GLOBAL_SCALE, GLOBAL_SCALE, INPUT_SCALES, WEIGHT_PACKED
 from megamoe.core.experts import MegaMoEExperts
 from megamoe.core.formats import WeightFormat
+from megamoe.core.mx_codes import E2M1_MAX
+from megamoe.core.nvfp4 import quantize_nvfp4
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024 * 1024  # 2 MiB: a default synthetic checkpoint has shards
 BLOCK = 128  # rows and columns of one magnitude block
@@ -87,7 +90,10 @@ def synthetic_expert_tensors(
 
     Per expert: ``{e}.{gate,up,down}_proj.weight`` plus the format's scale
     (``weight_scale_inv`` float32 per 128x128 block for FP8_BLOCK, ``weight_scale`` uint8
-    UE8M0 per 1x32 for MXFP8/MXFP4; MXFP4 weights pack two E2M1 codes per byte). With
+    UE8M0 per 1x32 for MXFP8/MXFP4; MXFP4 weights pack two E2M1 codes per byte). NVFP4
+    projections are laid out as ModelOpt writes them (``weight``, ``weight_scale`` E4M3 per
+    1x16, ``weight_scale_2`` and ``input_scale``; ``nvfp4_as_compressed_tensors`` turns
+    them into the compressed-tensors layout). With
     ``fused_bf16`` (BF16 only): ``gate_up_proj`` (E, 2I, H), gate rows first, and
     ``down_proj`` (E, H, I).
 
@@ -131,11 +137,12 @@ def synthetic_expert_tensors(
                 yield f"{expert}.{proj}.weight", _dense_bf16(rows, cols, gain, seed, expert, proj)
                 continue
             gen = _generator(seed, fmt.value, expert, proj)
-            parts = (
-                _encode_fp8_block(rows, cols, gain, gen, pow2_block_scales)
-                if fmt is WeightFormat.FP8_BLOCK
-                else _encode_mx(fmt, rows, cols, gain, gen)
-            )
+            if fmt is WeightFormat.NVFP4:
+                parts = _encode_nvfp4(_dense_bf16(rows, cols, gain, seed, expert, proj))
+            elif fmt is WeightFormat.FP8_BLOCK:
+                parts = _encode_fp8_block(rows, cols, gain, gen, pow2_block_scales)
+            else:
+                parts = _encode_mx(fmt, rows, cols, gain, gen)
             for kind, tensor in parts:
                 yield f"{expert}.{proj}.{kind}", tensor
 
@@ -274,6 +281,84 @@ def _encode_mx(
     scale_ue8m0 = exponent_block.repeat_interleave(BLOCK // 32, dim=1)[:, :groups]
     scale_ue8m0 = scale_ue8m0.repeat_interleave(BLOCK, dim=0)[:rows]
     return [("weight", weight.contiguous()), ("weight_scale", scale_ue8m0.to(torch.uint8))]
+
+
+def _encode_nvfp4(dense: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A projection quantized to NVFP4 in ModelOpt's layout (global scale amax / 2688).
+
+    The input scale is what a calibration of unit-size activations gives (ModelOpt's
+    ``input_scale`` = activation amax / 2688); megamoe ignores it.
+    """
+    global_scale = (dense.float().abs().amax() / (E2M1_MAX * E4M3_MAX)).reshape(())
+    packed, scale_e4m3 = quantize_nvfp4(dense.float() / global_scale)
+    input_scale = torch.tensor(4.0 / (E2M1_MAX * E4M3_MAX), dtype=torch.float32)
+    return [
+        ("weight", packed),
+        ("weight_scale", scale_e4m3),
+        (GLOBAL_SCALE, global_scale),
+        (INPUT_SCALES[0], input_scale),
+    ]
+
+
+def nvfp4_as_compressed_tensors(
+    config: Mapping[str, Any], tensors: Iterable[tuple[str, torch.Tensor]]
+) -> tuple[dict[str, Any], Iterator[tuple[str, torch.Tensor]]]:
+    """A ModelOpt NVFP4 checkpoint (config and tensors) in compressed-tensors' layout.
+
+    ``quantization_config`` becomes compressed-tensors ``nvfp4-pack-quantized`` with the
+    same ignore list; per NVFP4 projection ``weight`` becomes ``weight_packed``, the global
+    scale ``weight_global_scale`` = float32(1 / ``weight_scale_2``) and ``input_scale``
+    ``input_global_scale`` = float32(1 / ``input_scale``), both of shape (1,). The values
+    a projection dequantizes to change by at most the one rounding of the reciprocal.
+
+    Args:
+        config: a ``config.json`` with a ModelOpt NVFP4 ``quantization_config`` at the top.
+        tensors: its tensors.
+
+    Returns:
+        The new config and tensor stream.
+
+    Raises:
+        ValueError: the config is no ModelOpt NVFP4 config.
+    """
+    quant = dict(config.get("quantization_config") or {})
+    if quant.get("quant_method") != "modelopt" or quant.get("quant_algo") != "NVFP4":
+        raise ValueError(
+            f"quantization_config {quant!r} is not ModelOpt NVFP4; pass a config from "
+            "synthetic_config(WeightFormat.NVFP4, ...)"
+        )
+    scheme = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}
+    converted = dict(config)
+    converted["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "nvfp4-pack-quantized",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "format": "nvfp4-pack-quantized",
+                "weights": scheme,
+                "input_activations": {**scheme, "dynamic": "local"},
+            }
+        },
+        "ignore": list(quant.get("ignore") or []),
+    }
+    held = dict(tensors)
+    stems = {n.removesuffix(f".{GLOBAL_SCALE}") for n in held if n.endswith(f".{GLOBAL_SCALE}")}
+
+    def renamed() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in held.items():
+            stem, _, kind = name.rpartition(".")
+            if stem not in stems:
+                yield name, tensor
+            elif kind == "weight":
+                yield f"{stem}.{WEIGHT_PACKED}", tensor
+            elif kind in (GLOBAL_SCALE, INPUT_SCALES[0]):
+                new_kind = CT_GLOBAL_SCALE if kind == GLOBAL_SCALE else INPUT_SCALES[1]
+                yield f"{stem}.{new_kind}", torch.reciprocal(tensor).reshape(1)
+            else:
+                yield name, tensor
+
+    return converted, renamed()
 
 
 def write_checkpoint(

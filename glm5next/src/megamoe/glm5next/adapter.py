@@ -34,6 +34,7 @@ class Glm5NextAdapter(ModelAdapter):
     checkpoint_formats: ClassVar[tuple[WeightFormat, ...]] = (
         WeightFormat.FP8_BLOCK,
         WeightFormat.BF16,
+        WeightFormat.NVFP4,
     )
 
     reference_forward = staticmethod(reference.reference_forward)

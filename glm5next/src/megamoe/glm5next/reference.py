@@ -31,9 +31,7 @@ def _dense_projection(
     reader: CheckpointReader, prefix: str, fmt: WeightFormat, block: tuple[int, int]
 ) -> torch.Tensor:
     """One projection ``prefix`` (e.g. ``...experts.3.up_proj``) as float64."""
-    weight = reader.get_tensor(f"{prefix}.weight")
-    scale_name = fmt.scale_name
-    scale = None if scale_name is None else reader.get_tensor(f"{prefix}.{scale_name}")
+    weight, scale = reader.read_projection(prefix, fmt)
     return quant.dequantize(weight, scale, fmt, block_size=block).double()
 
 

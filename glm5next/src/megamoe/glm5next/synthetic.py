@@ -11,6 +11,7 @@ import torch
 from megamoe.core.adapters import COMPOSITE_DECODER, MLP, MoELayer, SyntheticSizes
 from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
 from megamoe.core.hf_config import text_config
+from megamoe.core.quant_config import detect_expert_format
 from megamoe.core.testing import synthetic_dense, synthetic_expert_tensors
 from megamoe.glm5next.config import (
     ARCHITECTURE,
@@ -33,6 +34,7 @@ FP8_QUANTIZATION_CONFIG = {
     "activation_scheme": "dynamic",
     "weight_block_size": list(BLOCK_FP8_DEFAULT),
 }
+_DENSE = ("gate", "shared_experts")  # modules an NVFP4 synthetic checkpoint keeps BF16
 
 
 def _router_groups(num_experts: int, top_k: int) -> tuple[int, int]:
@@ -50,7 +52,8 @@ def synthetic_config(fmt: WeightFormat, sizes: SyntheticSizes) -> dict[str, Any]
     Laid out as the release: a composite ``glm5_next`` config with the text model's keys
     under ``text_config`` (layers at ``model.language_model.layers.{L}``, ``mlp_layer_types``
     marking the sparse ones, the MTP layer at decoder index ``num_hidden_layers``) and
-    ``quantization_config`` at the top level.
+    ``quantization_config`` at the top level: block-FP8, or ModelOpt NVFP4 routed experts
+    (dense MLP, routers and shared experts BF16).
 
     Raises:
         ValueError: a shared-expert size that is not a multiple of the expert size (GLM's
@@ -90,10 +93,19 @@ def synthetic_config(fmt: WeightFormat, sizes: SyntheticSizes) -> dict[str, Any]
     }
     if fmt is WeightFormat.FP8_BLOCK:
         config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
+    elif fmt is WeightFormat.NVFP4:
+        layers = [f"{COMPOSITE_DECODER}.{i}.{MLP}" for i in range(text["num_hidden_layers"] + 1)]
+        config["quantization_config"] = {
+            "quant_method": "modelopt",
+            "quant_algo": "NVFP4",
+            "group_size": 16,
+            # Kept BF16: the dense layer's MLP, routers and shared experts.
+            "ignore": ["lm_head", layers[0], *(f"{p}.{n}" for p in layers[1:] for n in _DENSE)],
+        }
     elif fmt is not WeightFormat.BF16:
         raise ValueError(
-            f"synthetic {ARCHITECTURE} checkpoints store experts as fp8_block or bf16, got "
-            f"{fmt.value}; write one of those and run megamoe convert for the others"
+            f"synthetic {ARCHITECTURE} checkpoints store experts as fp8_block, nvfp4 or bf16, "
+            f"got {fmt.value}; write one of those and run megamoe convert for the others"
         )
     return config
 
@@ -125,7 +137,7 @@ def synthetic_tensors(
     for index in range(cfg.num_hidden_layers):
         if not cfg.is_moe_layer(index):
             prefix = f"{COMPOSITE_DECODER}.{index}.{MLP}"
-            fmt = WeightFormat.FP8_BLOCK if cfg.quantization_config else WeightFormat.BF16
+            fmt = detect_expert_format(cfg.quantization_config, prefix)
             yield from _mlp_tensors(fmt, prefix, hidden, dense_inter, _layer_seed(seed, prefix))
     for layer in layers:
         layer_seed = _layer_seed(seed, layer.prefix)
@@ -138,9 +150,10 @@ def synthetic_tensors(
         bias = torch.randn(num_experts, generator=gen) * BIAS_STD
         yield f"{layer.prefix}.gate.e_score_correction_bias", bias.to(torch.float32)
         if cfg.n_shared_experts:
+            shared = f"{layer.prefix}.shared_experts"
             yield from _mlp_tensors(
-                layer.checkpoint_format,
-                f"{layer.prefix}.shared_experts",
+                detect_expert_format(cfg.quantization_config, shared),
+                shared,
                 hidden,
                 cfg.shared_intermediate_size,
                 layer_seed + 1,

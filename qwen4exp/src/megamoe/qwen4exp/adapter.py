@@ -35,6 +35,7 @@ class Qwen4ExpAdapter(ModelAdapter):
         WeightFormat.FP8_BLOCK,
         WeightFormat.MXFP8,
         WeightFormat.MXFP4,
+        WeightFormat.NVFP4,
     )
 
     reference_forward = staticmethod(reference.reference_forward)

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from megamoe.core import quant
-from megamoe.core.expert_names import WEIGHT, WEIGHT_PACKED
 from megamoe.core.formats import WeightFormat
 from megamoe.core.quant_config import detect_expert_format
 from megamoe.qwen4exp.config import Qwen4ExpConfig
@@ -26,13 +25,9 @@ if TYPE_CHECKING:
 _PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
-def _projection(
-    reader: CheckpointReader, stem: str, fmt: WeightFormat, names: set[str]
-) -> torch.Tensor:
-    """One projection ``{stem}.weight`` (or ``weight_packed``) with its scale, as float64."""
-    weight_name = f"{stem}.{WEIGHT_PACKED}" if f"{stem}.{WEIGHT_PACKED}" in names else None
-    weight = reader.get_tensor(weight_name or f"{stem}.{WEIGHT}")
-    scale = None if fmt.scale_name is None else reader.get_tensor(f"{stem}.{fmt.scale_name}")
+def _projection(reader: CheckpointReader, stem: str, fmt: WeightFormat) -> torch.Tensor:
+    """One projection ``{stem}.*`` (weight, scales as the checkpoint names them), as float64."""
+    weight, scale = reader.read_projection(stem, fmt)
     return quant.dequantize(weight, scale, fmt).double()
 
 
@@ -61,7 +56,6 @@ def reference_forward(
     """
     prefix = layer.prefix
     cfg = Qwen4ExpConfig.from_dict(reader.config)
-    names = set(reader.tensor_names())
     quant_config = cfg.quantization_config
     x = hidden_states.detach().cpu().double()
     router = reader.get_tensor(f"{prefix}.gate.weight").double()
@@ -74,15 +68,13 @@ def reference_forward(
     fmt = detect_expert_format(quant_config, experts, num_experts=cfg.num_experts)
     out = torch.zeros_like(x)
     for expert in topk_ids.unique().tolist():
-        gate, up, down = (
-            _projection(reader, f"{experts}.{expert}.{p}", fmt, names) for p in _PROJS
-        )
+        gate, up, down = (_projection(reader, f"{experts}.{expert}.{p}", fmt) for p in _PROJS)
         rows, slot = (topk_ids == expert).nonzero(as_tuple=True)
         weight = topk_weights[rows, slot].unsqueeze(-1)
         out.index_add_(0, rows, weight * _swiglu(x[rows], gate, up, down))
 
     shared = f"{prefix}.shared_expert"
     shared_fmt = detect_expert_format(quant_config, shared)
-    gate, up, down = (_projection(reader, f"{shared}.{p}", shared_fmt, names) for p in _PROJS)
+    gate, up, down = (_projection(reader, f"{shared}.{p}", shared_fmt) for p in _PROJS)
     shared_gate = reader.get_tensor(f"{prefix}.shared_expert_gate.weight").double()
     return out + _swiglu(x, gate, up, down) * torch.sigmoid(F.linear(x, shared_gate))

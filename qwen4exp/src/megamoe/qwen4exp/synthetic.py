@@ -16,6 +16,7 @@ import torch
 from megamoe.core.adapters import COMPOSITE_DECODER, MLP, MoELayer, SyntheticSizes
 from megamoe.core.expert_names import WEIGHT, WEIGHT_PACKED
 from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
+from megamoe.core.quant_config import detect_expert_format
 from megamoe.core.testing import synthetic_dense, synthetic_expert_tensors
 from megamoe.qwen4exp.config import (
     ARCHITECTURE,
@@ -38,7 +39,9 @@ def synthetic_config(fmt: WeightFormat, sizes: SyntheticSizes) -> dict[str, Any]
     at ``mtp.layers.{j}`` (``mtp_num_hidden_layers``) and ``quantization_config`` at the
     top level. BF16: no quantization config. FP8_BLOCK: HF ``fp8`` with 128x128 blocks.
     MXFP8: the ``mxfp8`` quant method. MXFP4: compressed-tensors ``mxfp4-pack-quantized``
-    (weights named ``weight_packed``). Every layer, the MTP one included, is an MoE layer.
+    (weights named ``weight_packed``). NVFP4: ModelOpt ``NVFP4`` with the shared experts
+    kept BF16 (``megamoe.core.testing.nvfp4_as_compressed_tensors`` gives the
+    compressed-tensors layout). Every layer, the MTP one included, is an MoE layer.
     """
     config: dict[str, Any] = {
         "model_type": MODEL_TYPE,
@@ -85,6 +88,13 @@ def synthetic_config(fmt: WeightFormat, sizes: SyntheticSizes) -> dict[str, Any]
             },
             "ignore": dense,
         }
+    elif fmt is WeightFormat.NVFP4:
+        config["quantization_config"] = {
+            "quant_method": "modelopt",
+            "quant_algo": "NVFP4",
+            "group_size": 16,
+            "ignore": dense + [f"{b}.shared_expert" for b in blocks],
+        }
     return config
 
 
@@ -122,11 +132,15 @@ def synthetic_tensors(
             f"{p}.shared_expert_gate.weight",
             synthetic_dense((1, hidden), SHARED_GATE_STD, layer_seed),
         )
+        shared_fmt = detect_expert_format(cfg.quantization_config, f"{p}.shared_expert")
         shared = synthetic_expert_tensors(
-            fmt, 1, hidden, cfg.shared_expert_intermediate_size, seed=layer_seed + 3
+            shared_fmt, 1, hidden, cfg.shared_expert_intermediate_size, seed=layer_seed + 3
         )
         for name, tensor in shared:
-            yield f"{p}.shared_expert.{_renamed(name.partition('.')[2], fmt, packed)}", tensor
+            yield (
+                f"{p}.shared_expert.{_renamed(name.partition('.')[2], shared_fmt, packed)}",
+                tensor,
+            )
         experts = synthetic_expert_tensors(
             fmt,
             cfg.num_experts,

@@ -1,17 +1,17 @@
 """Triton requantization: one fused dequantize-requantize pass, bit-identical to torch.
 
 ``quant.requantize`` calls :func:`requantize_triton` for CUDA tensors when this module
-imports (it needs Triton). Every conversion between the four formats whose target is
-MXFP8, MXFP4 or FP8_BLOCK runs as one kernel launch over all leading (expert)
+imports (it needs Triton). Every conversion from BF16, FP8_BLOCK, MXFP8 or MXFP4 whose
+target is MXFP8, MXFP4 or FP8_BLOCK runs as one kernel launch over all leading (expert)
 dimensions: ``requant_mx.requant_to_mx_kernel`` for MX targets,
 ``requant_block.requant_to_block_kernel`` for block-FP8. The kernels compute the same
 float32 operations as the torch path (see ``requant_codecs``), so the bits are the
 same; ``tests/test_requant_triton.py`` checks that on a GPU.
 
 Non-finite input is detected in the same pass (an int32 flag the kernels set); only then
-does the torch path run, to find and name the first bad element. Layouts the kernels do
-not cover (block sizes whose rows are not a power of two or whose columns are not a
-multiple of 32, matrices of 2^31 elements or more) go through the torch path too.
+does the torch path run, to find and name the first bad element. What the kernels do not
+cover (NVFP4 sources, block sizes whose rows are not a power of two or whose columns are
+not a multiple of 32, matrices of 2^31 elements or more) goes through the torch path too.
 """
 
 from __future__ import annotations
@@ -120,8 +120,8 @@ def _pow2(value: int) -> bool:
 def _kernel_covers(
     src: WeightFormat, dst: WeightFormat, n: int, k: int, block: tuple[int, int]
 ) -> bool:
-    """Whether the kernels handle this layout (else the torch path runs)."""
-    if n * k >= _INT32_LIMIT:
+    """Whether the kernels handle this conversion and layout (else the torch path runs)."""
+    if src not in _SRC_CODE or n * k >= _INT32_LIMIT:
         return False
     if dst is WeightFormat.FP8_BLOCK:
         bm, bk = block
