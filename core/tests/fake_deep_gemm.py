@@ -14,6 +14,9 @@ with ``mma_type``, ``transform_sf_into_required_layout``, ``transform_weights_fo
 - ``activation_clamp=L`` clamps the SwiGLU inputs as the kernels do (``gate <= L``,
   ``-L <= up <= L``, then ``silu(gate) * up``, then the top-k weight).
 
+``dense_gemm=True`` adds the dense FP8 GEMM ``fp8_gemm_nt`` (Hopper's float32-scale path,
+recipe (1, 128, 128)), computed in float64 from the operands and their scales.
+
 API generations: ``kinds`` without ``"fp8xfp8"`` gives the buffer factory before
 ``num_shared_experts``; ``activation_clamp=False`` gives kernels from before the SwiGLU clamp
 (their signatures lack ``activation_clamp`` and refuse it as an unexpected keyword).
@@ -212,6 +215,8 @@ class FakeDeepGemm:
     transform_calls: int = 0
     kernel_calls: int = 0
     clamps: list[float | None] = field(default_factory=list)  # activation_clamp per call
+    dense_gemm: bool = False  # True: the module has fp8_gemm_nt (SM90 only)
+    dense_gemm_calls: int = 0
     _sf_outputs: weakref.WeakSet = field(default_factory=weakref.WeakSet)
 
     def module(self) -> types.ModuleType:
@@ -230,6 +235,8 @@ class FakeDeepGemm:
                 names += ["transform_sf_into_required_layout", "fp8_fp4_mega_moe"]
             if "bf16xbf16" in self.kinds:
                 names.append("bf16_mega_moe")
+        if self.dense_gemm:
+            names.append("fp8_gemm_nt")
         for name in names:
             fn = getattr(self, name)
             if name in KERNELS and not self.activation_clamp:
@@ -655,6 +662,52 @@ class FakeDeepGemm:
         x = buf.x[:tokens].double() * buf.x_sf[:tokens].double().repeat_interleave(128, -1)
         w2f = w2.double() * blocks(s2)
         self._moe(y, x, buf, w13, w2f, lambda a: round_pow2_fp8(a, 64), clamp)
+
+    def fp8_gemm_nt(
+        self,
+        a: Any,
+        b: Any,
+        d: Any,
+        c: Any = None,
+        recipe: Any = None,
+        recipe_a: Any = None,
+        recipe_b: Any = None,
+        compiled_dims: str = "",
+        disable_ue8m0_cast: bool = False,
+    ) -> None:
+        """``d = a @ b.T`` in float64 (bf16 out) from ``(E4M3, float32 scale)`` pairs."""
+        _need(self.arch == "sm90", "the fake's fp8_gemm_nt models Hopper's float32 scales")
+        _need(
+            recipe is not None and tuple(recipe) == (1, 128, 128),
+            f"recipe {recipe!r}: the fake takes (1, 128, 128) (1x128 A, 128x128 B scales)",
+        )
+        _need(recipe_a is None and recipe_b is None, "recipe_a/recipe_b: the fake takes recipe")
+        _need(c is None and not disable_ue8m0_cast, "no C accumulation, no disable_ue8m0_cast")
+        _need(compiled_dims in ("", "nk"), f"compiled_dims {compiled_dims!r}: '' or 'nk'")
+        _need(all(isinstance(p, tuple) and len(p) == 2 for p in (a, b)), "a, b: (data, sf) pairs")
+        (x, sfa), (w, sfb) = a, b
+        _need(isinstance(x, torch.Tensor) and x.dim() == 2, "a: a 2-D tensor")
+        _need(isinstance(w, torch.Tensor) and w.dim() == 2, "b: a 2-D tensor")
+        (m, k), n = x.shape, w.shape[0]
+        _check(x, "a", torch.float8_e4m3fn, (m, k))
+        _check(w, "b", torch.float8_e4m3fn, (n, k))
+        _need(k % 128 == 0 and m > 0, f"m={m}, k={k}: m > 0 and k a multiple of 128")
+        _need(x.is_contiguous() and w.is_contiguous(), "a and b must be K-major, contiguous")
+        _check(sfa, "sfa", torch.float32, (m, k // 128))
+        aligned = -(-m // 4) * 4
+        _need(
+            sfa.stride() == (1, aligned),
+            f"sfa: strides {sfa.stride()}, expected (1, {aligned}): MN-major and TMA-aligned "
+            "(DeepGEMM would copy any other layout into that one on every call)",
+        )
+        _check(sfb, "sfb", torch.float32, (-(-n // 128), k // 128))
+        _need(sfb.is_contiguous(), "sfb must be contiguous")
+        _check(d, "d", torch.bfloat16, (m, n))
+        _need(d.is_contiguous(), "d must be contiguous")
+        self.dense_gemm_calls += 1
+        xf = x.double() * sfa.double().repeat_interleave(128, 1)
+        wf = w.double() * sfb.double().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)
+        d.copy_((xf @ wf.T).to(torch.bfloat16))
 
     def _moe(
         self,

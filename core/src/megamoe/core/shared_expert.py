@@ -3,6 +3,10 @@
 Both adapters run a shared expert beside the router while the MegaMoE launch waits: the
 launch needs every SM, so the shared expert is issued first on an auxiliary CUDA stream and
 joined before the kernel starts.
+
+A block-FP8 shared expert on Hopper keeps its checkpoint's E4M3 weights and 128x128 block
+scales and runs DeepGEMM's FP8 GEMM (``megamoe.core.fp8_gemm``): half the memory of the bf16
+copy made everywhere else.
 """
 
 from __future__ import annotations
@@ -14,37 +18,66 @@ import torch.nn.functional as F
 
 from megamoe.core import quant
 from megamoe.core.dense_update import DenseUpdate
-from megamoe.core.finiteness import check_block_scales
+from megamoe.core.errors import NonFiniteError
+from megamoe.core.finiteness import check_block_scales, count_nonfinite
 from megamoe.core.formats import WeightFormat
+from megamoe.core.fp8_gemm import (
+    ACT_GROUP,
+    SharedGemm,
+    float_to_fp8_1x128,
+    fp8_gemm_nt,
+    resolve_shared_gemm,
+)
 from megamoe.core.pairing import PROJ_TO_SHARD, ShardPairing
 from megamoe.core.swiglu import check_swiglu_limit, swiglu
 
 _PROJS = ("gate_proj", "up_proj", "down_proj")
+_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # block scales, read as float32
 
 
 class SwiGLUMLP(torch.nn.Module):
-    """``down(swiglu(gate(x), up(x)))`` with bias-free bf16 projections.
+    """``down(swiglu(gate(x), up(x)))`` with bias-free projections.
 
     ``swiglu`` is ``megamoe.core.swiglu.swiglu``: ``silu(gate) * up``, with gate and up
     clamped first when the model has a ``swiglu_limit``.
 
-    Quantized checkpoint tensors are dequantized to bf16 when loaded. The first load writes
-    them straight in; once ``commit()`` has run, a reload is staged (``DenseUpdate``) and
-    written in place by the next ``commit()``, or dropped by ``discard_pending()``.
+    Two ways to multiply (``gemm``, ``megamoe.core.fp8_gemm.SharedGemm``):
+
+    - ``bf16``: bf16 parameters ``gate_proj``, ``up_proj``, ``down_proj``; a quantized
+      checkpoint is dequantized to bf16 when loaded.
+    - ``deep_gemm`` (block-FP8 checkpoints on SM90): the checkpoint's E4M3 values and float32
+      128x128 block scales as they are, gate and up stacked into one GEMM (``gate_up_fp8``
+      (2I, H), ``gate_up_scale`` (2I/128, H/128); ``down_fp8`` (H, I), ``down_scale``); the
+      input and the SwiGLU output (computed in float32 from the bf16 GEMM output) are cast
+      to E4M3 with float32 1x128 scales for the GEMMs.
+
+    The first load writes the tensors straight in; once ``commit()`` has run, a reload is
+    staged (``DenseUpdate``) and written in place by the next ``commit()`` (storage and
+    addresses unchanged), or dropped by ``discard_pending()``.
 
     Args:
         hidden_size: model width H.
         intermediate_size: MLP width I.
-        checkpoint_format: how the checkpoint stores the projections (scales are
-            dequantized when loaded).
+        checkpoint_format: how the checkpoint stores the projections.
         device: where the weights live.
         prefix: name prefix for error messages.
         swiglu_limit: the SwiGLU clamp L (gate <= L, -L <= up <= L), None for none.
+        gemm: a ``SharedGemm`` (or its value); None picks ``deep_gemm`` where it can run
+            (``fp8_gemm.resolve_shared_gemm``), else ``bf16``.
+
+    Raises:
+        ValueError: an invalid ``swiglu_limit`` or ``gemm``, or ``deep_gemm`` requested
+            for a checkpoint or sizes it cannot run.
+        CapabilityError: ``deep_gemm`` requested where it cannot run.
     """
 
     gate_proj: torch.nn.Parameter
     up_proj: torch.nn.Parameter
     down_proj: torch.nn.Parameter
+    gate_up_fp8: torch.nn.Parameter
+    gate_up_scale: torch.nn.Parameter
+    down_fp8: torch.nn.Parameter
+    down_scale: torch.nn.Parameter
 
     def __init__(
         self,
@@ -54,34 +87,61 @@ class SwiGLUMLP(torch.nn.Module):
         device: torch.device | str | None = None,
         prefix: str = "shared_expert",
         swiglu_limit: float | None = None,
+        *,
+        gemm: SharedGemm | str | None = None,
     ) -> None:
         super().__init__()
         self.prefix = prefix
         self.swiglu_limit = check_swiglu_limit(swiglu_limit, prefix)
         self.checkpoint_format = checkpoint_format
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.gemm = resolve_shared_gemm(
+            gemm, checkpoint_format, device, hidden_size, intermediate_size, prefix
+        )
         scale_name = checkpoint_format.scale_name
         self._halves = ("weight",) if scale_name is None else ("weight", scale_name)
         # A chunked update may bring a weight and its scale in different calls.
         self._pairing = ShardPairing(self._halves, prefix=prefix)
-        shapes = {
-            "gate_proj": (intermediate_size, hidden_size),
-            "up_proj": (intermediate_size, hidden_size),
-            "down_proj": (hidden_size, intermediate_size),
-        }
-        for proj, shape in shapes.items():
+        h, i = hidden_size, intermediate_size
+        if self.gemm is SharedGemm.BF16:
+            self._names: tuple[str, ...] = _PROJS
+            shapes = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+            dtypes = dict.fromkeys(shapes, torch.bfloat16)
+        else:
+            self._names = tuple(f"{proj}.{half}" for proj in _PROJS for half in self._halves)
+            b = ACT_GROUP
+            shapes = {
+                "gate_up_fp8": (2 * i, h),
+                "gate_up_scale": (2 * i // b, h // b),
+                "down_fp8": (h, i),
+                "down_scale": (h // b, i // b),
+            }
+            dtypes = {
+                name: torch.float8_e4m3fn if name.endswith("_fp8") else torch.float32
+                for name in shapes
+            }
+        for name, shape in shapes.items():
             self.register_parameter(
-                proj,
+                name,
                 torch.nn.Parameter(
-                    torch.empty(shape, dtype=torch.bfloat16, device=device), requires_grad=False
+                    torch.empty(shape, dtype=dtypes[name], device=device), requires_grad=False
                 ),
             )
         self._update = DenseUpdate(prefix)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the MLP to ``x`` (tokens, H) in bf16."""
+        """Apply the MLP to ``x`` (..., H) in bf16 (no host sync)."""
         x = x.to(torch.bfloat16)
-        hidden = swiglu(F.linear(x, self.gate_proj), F.linear(x, self.up_proj), self.swiglu_limit)
-        return F.linear(hidden, self.down_proj)
+        if self.gemm is SharedGemm.BF16:
+            gate, up = F.linear(x, self.gate_proj), F.linear(x, self.up_proj)
+            return F.linear(swiglu(gate, up, self.swiglu_limit), self.down_proj)
+        rows = x.reshape(-1, self.hidden_size)
+        gate_up = fp8_gemm_nt(*float_to_fp8_1x128(rows), self.gate_up_fp8, self.gate_up_scale)
+        # SwiGLU in float32, cast straight to E4M3: one rounding, as inductor's fused kernel does.
+        gate, up = gate_up.float().split(self.intermediate_size, dim=-1)
+        hidden = swiglu(gate, up, self.swiglu_limit)
+        out = fp8_gemm_nt(*float_to_fp8_1x128(hidden), self.down_fp8, self.down_scale)
+        return out.reshape(x.shape)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load ``{gate,up,down}_proj.{weight,<scale>}`` tensors.
@@ -97,10 +157,13 @@ class SwiGLUMLP(torch.nn.Module):
 
         Raises:
             ValueError: an unexpected name, a shape that does not match, or NaN or infinity
-                (after dequantization).
+                (after dequantization for ``bf16``; in the weight or scale for
+                ``deep_gemm``, as ``NonFiniteError``).
+            TypeError: ``deep_gemm``: a weight that is not float8_e4m3fn, or a scale that
+                is not floating point.
             InvalidScaleError: a block-FP8 scale that is zero or negative.
         """
-        halves, scale_name = self._halves, self.checkpoint_format.scale_name
+        halves = self._halves
         written: set[str] = set()
         for name, tensor in weights:
             proj, _, kind = name.partition(".")
@@ -112,27 +175,87 @@ class SwiGLUMLP(torch.nn.Module):
             parts = self._pairing.add((None, PROJ_TO_SHARD[proj]), kind, tensor)
             if parts is None:
                 continue
-            param: torch.nn.Parameter = getattr(self, proj)
-            if self.checkpoint_format is WeightFormat.FP8_BLOCK and scale_name is not None:
-                check_block_scales(parts[scale_name], f"{self.prefix}.{proj}.{scale_name}")
-            dense = quant.dequantize(
-                parts["weight"].to(param.device),
-                None if scale_name is None else parts[scale_name].to(param.device),
-                self.checkpoint_format,
-            )
-            self._update.write(proj, param, dense, shape_note="after dequantization")
+            if self.gemm is SharedGemm.BF16:
+                self._write_bf16(proj, parts)
+            else:
+                self._write_fp8(proj, parts)
             written.add(proj)
         return written
+
+    def _write_bf16(self, proj: str, parts: dict[str, torch.Tensor]) -> None:
+        """Dequantize a projection's halves into its bf16 parameter (or stage them)."""
+        scale_name = self.checkpoint_format.scale_name
+        param: torch.nn.Parameter = getattr(self, proj)
+        if self.checkpoint_format is WeightFormat.FP8_BLOCK and scale_name is not None:
+            check_block_scales(parts[scale_name], f"{self.prefix}.{proj}.{scale_name}")
+        dense = quant.dequantize(
+            parts["weight"].to(param.device),
+            None if scale_name is None else parts[scale_name].to(param.device),
+            self.checkpoint_format,
+        )
+        self._update.write(proj, param, dense, shape_note="after dequantization")
+
+    def _fp8_slots(self, proj: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (weight, scale) views of the FP8 storage that ``proj`` occupies."""
+        i, b = self.intermediate_size, ACT_GROUP
+        if proj == "down_proj":
+            return self.down_fp8, self.down_scale
+        rows = slice(0, i) if proj == "gate_proj" else slice(i, 2 * i)
+        return self.gate_up_fp8[rows], self.gate_up_scale[rows.start // b : rows.stop // b]
+
+    def _write_fp8(self, proj: str, parts: dict[str, torch.Tensor]) -> None:
+        """Check a projection's E4M3 weight and block scale, then write or stage both."""
+        scale_name = str(self.checkpoint_format.scale_name)
+        label = f"{self.prefix}.{proj}"
+        weight, scale = parts["weight"], parts[scale_name]
+        if weight.dtype != torch.float8_e4m3fn:
+            raise TypeError(
+                f"{label}.weight has dtype {weight.dtype}, expected torch.float8_e4m3fn for a "
+                "fp8_block checkpoint; pass the checkpoint_format the tensor is stored in"
+            )
+        if scale.dtype not in _SCALE_DTYPES:
+            raise TypeError(
+                f"{label}.{scale_name} has dtype {scale.dtype}, expected float32 (or bf16/fp16) "
+                "128x128 block scales"
+            )
+        dims = "intermediate_size, hidden_size"
+        if proj == "down_proj":
+            dims = "hidden_size, intermediate_size"
+        slots = dict(zip(("weight", scale_name), self._fp8_slots(proj), strict=True))
+        notes = {"weight": f"({dims})", scale_name: f"({dims}) / 128: one per 128x128 block"}
+        checked: dict[str, torch.Tensor] = {}
+        for half, tensor in (("weight", weight), (scale_name, scale)):
+            slot = slots[half]
+            if tuple(tensor.shape) != tuple(slot.shape):
+                raise ValueError(
+                    f"{label}.{half} has shape {tuple(tensor.shape)}, expected "
+                    f"{tuple(slot.shape)} {notes[half]}"
+                )
+            checked[half] = tensor.to(slot.device, slot.dtype)
+            if count_nonfinite(checked[half]):
+                raise NonFiniteError(f"{label}.{half} holds NaN or infinity; fix the checkpoint")
+        check_block_scales(checked[scale_name], f"{label}.{scale_name}")
+        # torch has no isfinite for E4M3: its bytes go through DenseUpdate, checked above.
+        self._update.write(
+            f"{proj}.weight",
+            slots["weight"].view(torch.uint8),
+            checked["weight"].view(torch.uint8),
+            shape_note=notes["weight"],
+        )
+        self._update.write(
+            f"{proj}.{scale_name}", slots[scale_name], checked[scale_name],
+            shape_note=notes[scale_name],
+        )  # fmt: skip
 
     def check_loaded(self) -> None:
         """Raise unless every projection was loaded with both its halves.
 
         Raises:
             IncompleteShardsError: a projection still lacks its weight or scale.
-            ValueError: names the projections never loaded.
+            ValueError: names the tensors never loaded.
         """
         self._pairing.check_complete()
-        self._update.check_loaded(_PROJS)
+        self._update.check_loaded(self._names)
 
     def commit(self) -> None:
         """Write a staged reload in place (storage unchanged); later loads are staged."""
@@ -145,7 +268,7 @@ class SwiGLUMLP(torch.nn.Module):
 
     @property
     def pending_bytes(self) -> int:
-        """Bytes held by a staged reload (at most the three projections' bf16 size)."""
+        """Bytes held by a staged reload (at most the three projections' stored size)."""
         return self._update.pending_bytes
 
 
