@@ -97,7 +97,7 @@ def hopper_block(
 ) -> Qwen4ExpMegaMoeBlock:
     if detect_arch(device) != ARCH_SM90:
         pytest.skip("the DeepGEMM Hopper kernel needs an SM90 GPU (H100/H200)")
-    block = build(fp8_checkpoint, cuda_parallel, device, backend="deepgemm")
+    block = build(fp8_checkpoint, cuda_parallel, device, backend="deepgemm", use_aux_stream=True)
     assert block.experts.weight_format is WeightFormat.FP8_BLOCK  # stored = run: no requant
     assert block.experts.backend.name == "deepgemm"
     assert block.aux_stream.stream is not None

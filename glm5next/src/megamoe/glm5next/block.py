@@ -60,6 +60,11 @@ class Glm5NextMegaMoeBlock(MoEBlock):
         use_aux_stream: True issues an unfused shared expert on an auxiliary CUDA stream
             beside the router; off by default: on the H200 it did not pay
             (``bench_block.py``).
+        shared_gemm: how the (unfused) shared expert multiplies
+            (``megamoe.core.fp8_gemm.SharedGemm``): ``"bf16"`` (default; a block-FP8
+            checkpoint is dequantized at load: measured faster on the H200), ``"deep_gemm"``
+            (keeps block-FP8: half the memory, 1.4-2.0x slower on the H200 until its
+            activation casts are fused), None picks ``deep_gemm`` where it runs.
         requant_chunk: experts per step of ``requantize_block_fp8``.
         **options: ``moe_format``, ``is_mtp``, ``backend``, ``device``, ``max_num_tokens``,
             ``emulate_kernel``, ``arch`` (see ``megamoe.core.block_setup.BlockOptions``).
@@ -85,6 +90,7 @@ class Glm5NextMegaMoeBlock(MoEBlock):
         parallel: ParallelSettings,
         fuse_shared: bool | None = None,
         use_aux_stream: bool = False,
+        shared_gemm: str | None = "bf16",
         requant_chunk: int = DEFAULT_REQUANT_CHUNK,
         **options: Unpack[BlockOptions],
     ) -> None:
@@ -120,6 +126,7 @@ class Glm5NextMegaMoeBlock(MoEBlock):
                 device=self.device,
                 prefix=f"{prefix}.{SHARED_EXPERTS}",
                 swiglu_limit=cfg.swiglu_limit,
+                gemm=shared_gemm,
             )
         self.gate = Glm5NextRouter(cfg, device=self.device)
         self.aux_stream = AuxStream(self.device, enabled=use_aux_stream)

@@ -45,6 +45,11 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
             placement (linear) and tensor-parallel size (1).
         use_aux_stream: True issues the shared expert on an auxiliary CUDA stream beside
             the router; off by default: on the H200 it did not pay (``bench_block.py``).
+        shared_gemm: how the (unfused) shared expert multiplies
+            (``megamoe.core.fp8_gemm.SharedGemm``): ``"bf16"`` (default; a block-FP8
+            checkpoint is dequantized at load: measured faster on the H200), ``"deep_gemm"``
+            (keeps block-FP8: half the memory, 1.4-2.0x slower on the H200 until its
+            activation casts are fused), None picks ``deep_gemm`` where it runs.
         **options: ``moe_format``, ``is_mtp``, ``backend``, ``device``, ``max_num_tokens``,
             ``emulate_kernel``, ``arch`` (see ``megamoe.core.block_setup.BlockOptions``).
 
@@ -64,6 +69,7 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
         prefix: str,
         parallel: ParallelSettings,
         use_aux_stream: bool = False,
+        shared_gemm: str | None = "bf16",
         **options: Unpack[BlockOptions],
     ) -> None:
         super().__init__()
@@ -86,6 +92,7 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
             ),
             device=self.device,
             prefix=f"{prefix}.{SHARED_EXPERT}",
+            gemm=shared_gemm,
         )
         for linear in (self.gate, self.shared_expert_gate):
             linear.weight.requires_grad_(False)
