@@ -4,15 +4,24 @@ Ties are broken deterministically, toward the lower index: among groups whose sc
 are equal the lower group id is kept first, and among experts whose biased scores are
 equal the lower expert id is chosen first. The chosen experts come in order of
 decreasing biased score (ties: lower id first).
+
+Two paths give the same ids and weights (weights within float32 rounding of the final
+renormalizing sum): the torch expression of :func:`grouped_topk`, the reference that runs
+on the CPU and wherever Triton is missing, and one Triton kernel per call on CUDA
+(``router_triton``), which :func:`route_logits` takes when it can.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 
 from megamoe.glm5next.config import ROUTER_TOP2, Glm5NextConfig
 
 NORM_EPS = 1e-20  # added to the renormalization's denominator, as the model does
+# CUDA installs of torch ship Triton; CPU-only ones do not (then the torch path runs).
+TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
 
 def _top_indices(values: torch.Tensor, k: int) -> torch.Tensor:
@@ -33,6 +42,37 @@ def router_logits(hidden_states: torch.Tensor, gate_weight: torch.Tensor) -> tor
         (tokens, E) float32.
     """
     return hidden_states.float() @ gate_weight.float().t()
+
+
+def check_group_settings(
+    num_experts: int, correction_bias: torch.Tensor, top_k: int, n_group: int, topk_group: int
+) -> None:
+    """Reject group settings under which the router's choice is not defined.
+
+    Raises:
+        ValueError: a bias that is not (E,), E not a multiple of ``n_group``, fewer than
+            two experts per group, ``topk_group`` outside 1..n_group, or more experts
+            asked for than the kept groups hold.
+    """
+    if n_group < 1 or num_experts % n_group or correction_bias.shape != (num_experts,):
+        raise ValueError(
+            f"router: scores have {num_experts} experts and the bias shape "
+            f"{tuple(correction_bias.shape)}; expected ({num_experts},) and a multiple of "
+            f"n_group={n_group}"
+        )
+    per_group = num_experts // n_group
+    if per_group < ROUTER_TOP2 or not 1 <= topk_group <= n_group:
+        raise ValueError(
+            f"router: n_group={n_group}, topk_group={topk_group} for {num_experts} experts; "
+            f"each group needs >= {ROUTER_TOP2} experts (its score sums its best two) and "
+            "1 <= topk_group <= n_group"
+        )
+    if not 1 <= top_k <= topk_group * per_group:
+        raise ValueError(
+            f"router: top_k={top_k} outside 1..{topk_group * per_group}, the experts of the "
+            f"topk_group={topk_group} kept groups of {per_group}; lower top_k or keep more "
+            "groups"
+        )
 
 
 def grouped_topk(
@@ -69,15 +109,11 @@ def grouped_topk(
         of ``scores``.
 
     Raises:
-        ValueError: shapes that do not match the group settings.
+        ValueError: shapes or group settings the router does not allow
+            (:func:`check_group_settings`).
     """
     tokens, num_experts = scores.shape
-    if num_experts % n_group or correction_bias.shape != (num_experts,):
-        raise ValueError(
-            f"router: scores have {num_experts} experts and the bias shape "
-            f"{tuple(correction_bias.shape)}; expected ({num_experts},) and a multiple of "
-            f"n_group={n_group}"
-        )
+    check_group_settings(num_experts, correction_bias, top_k, n_group, topk_group)
     biased = scores + correction_bias.to(scores.dtype)
     grouped = biased.view(tokens, n_group, num_experts // n_group)
     group_scores = grouped.topk(ROUTER_TOP2, dim=-1).values.sum(dim=-1)
@@ -89,6 +125,70 @@ def grouped_topk(
     if norm_topk_prob:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + NORM_EPS)
     return topk_weights * routed_scaling_factor, topk_ids
+
+
+def route_logits(
+    logits: torch.Tensor,
+    correction_bias: torch.Tensor,
+    *,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+    use_triton: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid scores of float32 ``logits``, then :func:`grouped_topk`, on either path.
+
+    Args:
+        logits: (tokens, E) float32 router logits.
+        correction_bias: (E,) float32 selection bias, on the logits' device.
+        top_k: experts per token.
+        n_group: router groups.
+        topk_group: groups kept per token.
+        norm_topk_prob: renormalize the chosen weights.
+        routed_scaling_factor: weight multiplier.
+        use_triton: None takes the Triton kernel for CUDA logits when Triton imports and
+            the kernel covers the shape (``router_triton.triton_covers``), the torch path
+            otherwise; True demands the kernel; False runs the torch path.
+
+    Returns:
+        ``(topk_weights float32, topk_ids int32)``, each (tokens, top_k), in decreasing
+        biased score (ties: lower id first).
+
+    Raises:
+        ValueError: group settings the router does not allow, or ``use_triton=True``
+            where the kernel cannot run.
+    """
+    if use_triton is not False and logits.is_cuda and TRITON_AVAILABLE:
+        from megamoe.glm5next.router_triton import grouped_topk_triton, triton_covers
+
+        if use_triton or triton_covers(logits.shape[-1], top_k, n_group):
+            return grouped_topk_triton(
+                logits,
+                correction_bias,
+                top_k=top_k,
+                n_group=n_group,
+                topk_group=topk_group,
+                norm_topk_prob=norm_topk_prob,
+                routed_scaling_factor=routed_scaling_factor,
+            )
+    elif use_triton:
+        raise ValueError(
+            f"router: use_triton=True needs CUDA logits and Triton; got logits on "
+            f"{logits.device} with Triton {'present' if TRITON_AVAILABLE else 'missing'} "
+            "(pip install triton, or use_triton=None to fall back to torch)"
+        )
+    topk_weights, topk_ids = grouped_topk(
+        torch.sigmoid(logits),
+        correction_bias,
+        top_k=top_k,
+        n_group=n_group,
+        topk_group=topk_group,
+        norm_topk_prob=norm_topk_prob,
+        routed_scaling_factor=routed_scaling_factor,
+    )
+    return topk_weights, topk_ids.to(torch.int32)
 
 
 class Glm5NextRouter(torch.nn.Module):
@@ -119,9 +219,8 @@ class Glm5NextRouter(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing weights (float32) and expert ids (int32) of each token, (tokens, top_k)."""
         cfg = self.config
-        scores = torch.sigmoid(router_logits(hidden_states, self.weight))
-        topk_weights, topk_ids = grouped_topk(
-            scores,
+        return route_logits(
+            router_logits(hidden_states, self.weight),
             self.e_score_correction_bias,
             top_k=cfg.num_experts_per_tok,
             n_group=cfg.n_group,
@@ -129,4 +228,3 @@ class Glm5NextRouter(torch.nn.Module):
             norm_topk_prob=cfg.norm_topk_prob,
             routed_scaling_factor=cfg.routed_scaling_factor,
         )
-        return topk_weights, topk_ids.to(torch.int32)
