@@ -1,4 +1,6 @@
-"""The group-limited top-k router against an exhaustive reference, ties included."""
+"""The group-limited top-k router against an exhaustive reference and transformers 5.24's
+``Glm5NextTextTopkRouter``, ties included (the torch path; the Triton path against it on
+a GPU: ``test_router_triton.py``)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,18 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from router_cases import (
+    ROUTER_SHAPES,
+    by_id,
+    grid_case,
+    route_settings,
+    tie_case,
+    tie_kinds,
+    transformers_router,
+)
 
-from megamoe.glm5next.router import grouped_topk, router_logits
+from megamoe.glm5next.config import Glm5NextConfig
+from megamoe.glm5next.router import Glm5NextRouter, grouped_topk, route_logits, router_logits
 
 
 def _best_subset(values: list[float], candidates: list[int], size: int) -> tuple[int, ...]:
@@ -193,3 +205,124 @@ def test_bad_bias_shape_is_named() -> None:
             norm_topk_prob=True,
             routed_scaling_factor=1.0,
         )
+
+
+def _glm_config(num_experts: int, hidden: int, route: dict) -> Glm5NextConfig:
+    return Glm5NextConfig.from_dict(
+        {
+            "model_type": "glm5_next_text",
+            "hidden_size": hidden,
+            "n_routed_experts": num_experts,
+            "num_experts_per_tok": route["top_k"],
+            "n_group": route["n_group"],
+            "topk_group": route["topk_group"],
+            "norm_topk_prob": route["norm_topk_prob"],
+            "routed_scaling_factor": route["routed_scaling_factor"],
+        }
+    )
+
+
+def _random_router(shape: tuple[int, int, int, int], hidden: int, norm: bool, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    router = Glm5NextRouter(_glm_config(shape[0], hidden, route_settings(shape, norm)))
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(shape[0], hidden, generator=gen) * 0.3)
+        router.e_score_correction_bias.copy_(torch.randn(shape[0], generator=gen) * 0.05)
+    return router, torch.randn(64, hidden, generator=gen).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "no-norm"])
+@pytest.mark.parametrize("name", list(ROUTER_SHAPES))
+def test_router_matches_transformers_on_random_tokens(name: str, norm: bool) -> None:
+    shape = ROUTER_SHAPES[name]
+    router, x = _random_router(shape, 64, norm, seed=7)
+    oracle = transformers_router(
+        shape[0], route_settings(shape, norm), router.weight, router.e_score_correction_bias
+    )
+    weights, ids = router(x)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    _, want_w, want_ids = oracle(x)
+    got_w, got_ids = by_id(weights, ids)
+    want_w, want_ids = by_id(want_w, want_ids)
+    assert torch.equal(got_ids, want_ids)
+    # transformers renormalizes in its own (unsorted) order: float32 rounding apart.
+    torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("name", list(ROUTER_SHAPES))
+def test_exact_ties_match_transformers_wherever_its_choice_is_defined(name: str) -> None:
+    """Exact ties inside the chosen experts or the kept groups: the same ids and weights
+    as transformers. A tie across the cut (the k-th and (k+1)-th equal) leaves
+    transformers' choice to ``torch.topk``, whose CPU kernel promises no order among ties
+    (it picks neither the lowest nor the highest ids); there ours are the lowest ids
+    (the exhaustive reference above), and on CUDA transformers' too
+    (``test_router_triton.py``)."""
+    shape = ROUTER_SHAPES[name]
+    route = route_settings(shape, norm=True)
+    logits, bias = tie_case(shape, tokens=256, seed=5)
+    oracle = transformers_router(shape[0], route, torch.eye(shape[0]), bias)
+    _, want_w, want_ids = oracle(logits)  # identity weight: the logits themselves
+    weights, ids = route_logits(logits, bias, **route)
+    across, inside = tie_kinds(logits, bias, route)
+    defined = ~across
+    assert int((defined & inside).sum()) >= 32, "too few tokens with ties inside the choice"
+    got_w, got_ids = by_id(weights[defined], ids[defined])
+    want_w, want_ids = by_id(want_w[defined], want_ids[defined])
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=0)
+
+
+def test_route_logits_is_sigmoid_then_grouped_topk() -> None:
+    shape = ROUTER_SHAPES["deepseek-v3"]
+    route = route_settings(shape, norm=True)
+    logits, bias = grid_case(shape, tokens=32, seed=2)
+    want_w, want_ids = grouped_topk(torch.sigmoid(logits), bias, **route)
+    for use_triton in (None, False):  # no CUDA here: both run the torch path
+        weights, ids = route_logits(logits, bias, use_triton=use_triton, **route)
+        assert torch.equal(ids, want_ids.to(torch.int32))
+        assert torch.equal(weights, want_w)
+
+
+def test_use_triton_without_cuda_names_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"use_triton=True needs CUDA logits and Triton; got "):
+        route_logits(
+            torch.zeros(2, 8), torch.zeros(8), use_triton=True, **route_settings((8, 2, 4, 2), True)
+        )
+
+
+@pytest.mark.parametrize(
+    ("num_experts", "top_k", "n_group", "topk_group", "message"),
+    [
+        (8, 2, 3, 1, r"expected \(8,\) and a multiple of n_group=3"),
+        (8, 2, 0, 1, r"multiple of n_group=0"),
+        (8, 1, 8, 1, r"each group needs >= 2 experts"),
+        (8, 2, 4, 5, r"n_group=4, topk_group=5 .* 1 <= topk_group <= n_group"),
+        (8, 2, 4, 0, r"topk_group=0 .* 1 <= topk_group <= n_group"),
+        (8, 5, 4, 2, r"top_k=5 outside 1..4, the experts of the topk_group=2 kept groups of 2"),
+        (8, 0, 1, 1, r"top_k=0 outside 1..8"),
+    ],
+)
+def test_group_settings_outside_the_rules_are_named(
+    num_experts: int, top_k: int, n_group: int, topk_group: int, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        grouped_topk(
+            torch.full((1, num_experts), 0.5),
+            torch.zeros(num_experts),
+            top_k=top_k,
+            n_group=n_group,
+            topk_group=topk_group,
+            norm_topk_prob=True,
+            routed_scaling_factor=1.0,
+        )
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.jit:DeprecationWarning")  # inductor's own imports
+def test_router_compiles_as_one_graph_like_eager() -> None:
+    router, x = _random_router(ROUTER_SHAPES["deepseek-v3"], 128, norm=True, seed=4)
+    torch._dynamo.reset()
+    compiled = torch.compile(router, fullgraph=True, dynamic=False)  # a graph break raises
+    want_w, want_ids = router(x)
+    weights, ids = compiled(x)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=0)
