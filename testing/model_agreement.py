@@ -12,7 +12,10 @@ reference run alone (never from the run under test):
 - generation: also when, at every generated step, the top-2 logit gap of the reference
   run is at least a threshold.
 
-Logits are compared by relative Frobenius error per prompt, ``||a - b|| / ||b||``.
+The thresholds are the largest differences the two runs show: ``routing_score_gap`` for
+the selection scores, the largest logit difference for the top-2 gap (where the runs have
+been measured, as constants in the tests). Logits are compared by relative Frobenius error
+per prompt, ``||a - b|| / ||b||``.
 """
 
 from __future__ import annotations
@@ -43,6 +46,18 @@ def routing_margins(
     Returns:
         (B,) float64 margins.
     """
+    batch, length = input_ids.shape
+    margins = torch.full((batch,), torch.inf, dtype=torch.float64)
+    for prefix, x in _block_inputs(tiny, model, input_ids).items():
+        margin = reference_moe(tiny, prefix, x).margin
+        margins = torch.minimum(margins, margin.reshape(batch, length).amin(dim=1))
+    return margins
+
+
+def _block_inputs(
+    tiny: TinyModel, model: torch.nn.Module, input_ids: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """The (B * L, H) input of every MoE block of ``model`` in one forward, on the CPU."""
     inputs: dict[str, torch.Tensor] = {}
     modules = dict(model.named_modules())
     hooks = [
@@ -60,12 +75,31 @@ def routing_margins(
             hook.remove()
     if not inputs:
         raise ValueError(f"none of the MoE blocks {sorted(tiny.moe_blocks)} ran in the model")
-    batch, length = input_ids.shape
-    margins = torch.full((batch,), torch.inf, dtype=torch.float64)
-    for prefix, x in inputs.items():
-        margin = reference_moe(tiny, prefix, x.reshape(-1, x.shape[-1]).cpu()).margin
-        margins = torch.minimum(margins, margin.reshape(batch, length).amin(dim=1))
-    return margins
+    return {p: x.reshape(-1, x.shape[-1]).cpu() for p, x in inputs.items()}
+
+
+def _selection_scores(router: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """What a router ranks experts by: float32 softmax (Qwen), sigmoid + bias (GLM)."""
+    logits = x.float() @ router.weight.detach().float().T
+    bias = getattr(router, "e_score_correction_bias", None)
+    return logits.softmax(dim=-1) if bias is None else logits.sigmoid() + bias.detach().float()
+
+
+def routing_score_gap(
+    tiny: TinyModel, reference: torch.nn.Module, other: torch.nn.Module, input_ids: torch.Tensor
+) -> float:
+    """The largest difference of any selection score between two runs of the same prompts.
+
+    A routing choice can flip only where its margin is below about this.
+    """
+    a, b = _block_inputs(tiny, reference, input_ids), _block_inputs(tiny, other, input_ids)
+    return max(
+        float(
+            (_selection_scores(block.gate, a[p]) - _selection_scores(block.gate, b[p])).abs().max()
+        )
+        for p, block in tiny.moe_blocks.items()
+        if p in a
+    )
 
 
 def logits_error(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
