@@ -96,7 +96,9 @@ def test_block_fp8_model_on_the_kernel_matches_eager(tmp_path: Path, family: str
     path = save_checkpoint(tiny, tmp_path / family, fp8_block=True)
     cls = type(tiny.model)
     eager, ours = (
-        cls.from_pretrained(path, device_map="cuda", experts_implementation=impl).eval()
+        cls.from_pretrained(
+            path, dtype=torch.bfloat16, device_map="cuda", experts_implementation=impl
+        ).eval()
         for impl in ("eager", megamoe.transformers.IMPLEMENTATION)
     )
     vocab = tiny.text_config.vocab_size
