@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything the GPU issues measure, in one pass on an H200 (about 6 minutes):
+# Everything the GPU issues measure, in one pass on an H200 (about 12 minutes):
 # the gpu-marked tests, then each benchmark's table (printed) and JSON (into $1).
 #   bash benchmarks/h200.sh OUTDIR
 # Needs, in the machine's own python3 (its curated torch/CUDA): torch with CUDA, pytest,
@@ -37,4 +37,8 @@ run python3 benchmarks/bench_forward.py --tokens 1,16,128,256,1024,4096 --json "
 run python3 benchmarks/bench_block.py --tokens 1,16,128,256,1024,4096 --json "$out/block.json"
 run python3 benchmarks/bench_glm_requant.py --devices cuda --chunks 1,8 --json "$out/glm_requant.json"
 run python3 benchmarks/bench_load.py --reps 2 --json "$out/load.json"
+run python3 benchmarks/bench_router.py --json "$out/router.json"
+run python3 benchmarks/bench_shared_expert.py --json "$out/shared_expert.json"
+run python3 benchmarks/bench_ep.py --model deepgemm-ref --json "$out/ep-1.json"  # one rank
+run python3 benchmarks/bench_transformers.py --json "$out/transformers.json"
 exit $status
