@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Everything the GPU issues measure, in one pass on an H200 (about 12 minutes):
+# Everything the GPU issues measure, in one pass on an H200 (about 6 minutes before the last
+# four benchmarks were added; those have not run together yet):
 # the gpu-marked tests, then each benchmark's table (printed) and JSON (into $1).
 #   bash benchmarks/h200.sh OUTDIR
 # Needs, in the machine's own python3 (its curated torch/CUDA): torch with CUDA, pytest,
