@@ -220,6 +220,18 @@ def test_load_from_checkpoint_reports_a_missing_expert_tensor(
 # -- the adapter -----------------------------------------------------------------------------
 
 
+def test_build_block_forwards_the_block_options(parallel: ParallelSettings) -> None:
+    cfg = config(WeightFormat.FP8_BLOCK)
+    layer = ADAPTER.moe_layers(cfg)[0]
+    block = ADAPTER.build_block(
+        cfg, layer, parallel=parallel, backend="reference", reload_staging_bytes=123,
+        use_aux_stream=False, shared_gemm="bf16",
+    )  # fmt: skip
+    assert block.experts.reload_staging_bytes == 123
+    with pytest.raises(TypeError, match="no_such_option"):
+        ADAPTER.build_block(cfg, layer, parallel=parallel, no_such_option=1)
+
+
 def test_adapter_identity_and_entry_point() -> None:
     assert isinstance(ADAPTER, Qwen4ExpAdapter)
     assert (ADAPTER.name, ADAPTER.distribution) == ("qwen4exp", "megamoe-qwen4exp")

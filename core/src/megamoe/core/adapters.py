@@ -287,12 +287,15 @@ class ModelAdapter(abc.ABC):
         backend: str = "auto",
         device: torch.device | str | None = None,
         max_num_tokens: int = 256,
+        **options: Any,
     ) -> MoEBlock:
         """The MoE block of ``layer`` (a ``block_class``), weights still unloaded.
 
         ``load_from_checkpoint`` loads them. ``moe_format`` forces the run format of the
-        main model's layers; the MTP drafter's layers take the default. See the adapter's
-        block class for the errors.
+        main model's layers; the MTP drafter's layers take the default. ``options`` go to
+        the block class as they are: the other ``BlockOptions`` (``emulate_kernel``,
+        ``arch``, ``reload_staging_bytes``) and the adapter's own (e.g. ``use_aux_stream``,
+        ``shared_gemm``). See the adapter's block class for the errors.
         """
         return self.block_class(
             config,
@@ -303,6 +306,7 @@ class ModelAdapter(abc.ABC):
             backend=backend,
             device=device,
             max_num_tokens=max_num_tokens,
+            **options,
         )
 
     @abc.abstractmethod
