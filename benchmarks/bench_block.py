@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from harness import add_shape_args, cuda_median_ms, format_table, write_json
+from harness import add_shape_args, cuda_graph_replay, cuda_median_ms, format_table, write_json
 from megamoe.core import quant
 from megamoe.core.adapters import MoEBlock, SyntheticSizes
 from megamoe.core.backends.symm_buffer import resolve_group
@@ -138,20 +138,6 @@ def bare_kernel(
     return run
 
 
-def graphed(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
-    """A CUDA graph of ``fn`` (warmed up on a side stream), as a replay callable."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 def measure(
     name: str,
     block: MoEBlock,
@@ -180,8 +166,10 @@ def measure(
             "experts_us": time(lambda: block.experts(x, weights, ids)),
             "eager_us": time(lambda: block(x)),
             "serial_us": time(lambda: serial(x)),
-            "graphed_us": time(graphed(lambda: block(x))),
-            "bare_shared_graphed_us": time(graphed(lambda: (shared(x), bare(x, weights, ids))[1])),
+            "graphed_us": time(cuda_graph_replay(lambda: block(x))),
+            "bare_shared_graphed_us": time(
+                cuda_graph_replay(lambda: (shared(x), bare(x, weights, ids))[1])
+            ),
         }
         if compiled is not None:
             row["compiled_us"] = time(lambda: compiled(x))

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from harness import cuda_median_ms, format_table, write_json
+from harness import cuda_graph_replay, cuda_median_ms, format_table, write_json
 from megamoe.glm5next.config import Glm5NextConfig
 from megamoe.glm5next.router import Glm5NextRouter, route_logits, router_logits
 
@@ -81,20 +81,6 @@ def build(name: str) -> Glm5NextRouter:
     return router
 
 
-def graphed(fn: Callable[[], object]) -> Callable[[], None]:
-    """A CUDA graph of ``fn`` (warmed up on a side stream), as a replay callable."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 def measure(name: str, router: Glm5NextRouter, count: int, args: argparse.Namespace) -> dict:
     """One table row: the router's paths and parts at ``count`` tokens."""
     cfg = router.config
@@ -123,8 +109,8 @@ def measure(name: str, router: Glm5NextRouter, count: int, args: argparse.Namesp
             ),
             "triton_us": time(lambda: router(x)),
             "kernel_us": time(lambda: route_logits(logits, bias, use_triton=True, **route)),
-            "graphed_us": time(graphed(lambda: router(x))),
-            "matmul_graphed_us": time(graphed(lambda: router_logits(x, weight))),
+            "graphed_us": time(cuda_graph_replay(lambda: router(x))),
+            "matmul_graphed_us": time(cuda_graph_replay(lambda: router_logits(x, weight))),
         }
     row["speedup"] = row["torch_us"] / row["triton_us"]
     return row

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from harness import cuda_median_ms, format_table, write_json
+from harness import cuda_graph_replay, cuda_median_ms, format_table, write_json
 from megamoe.core import quant
 from megamoe.core.formats import WeightFormat
 from megamoe.core.memory import distinct_storage_bytes
@@ -86,20 +86,6 @@ def build(
     return mlp
 
 
-def graphed(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
-    """A CUDA graph of ``fn`` (warmed up on a side stream), as a replay callable."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 def measure(
     mlp: SwiGLUMLP, compiled: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
     args: argparse.Namespace,
@@ -107,7 +93,7 @@ def measure(
     """Microseconds of ``mlp(x)`` eager, replayed from a CUDA graph, and compiled."""
     with torch.no_grad():
         eager = cuda_median_ms(lambda: mlp(x), args.warmup, args.iters)
-        replay = cuda_median_ms(graphed(lambda: mlp(x)), args.warmup, args.iters)
+        replay = cuda_median_ms(cuda_graph_replay(lambda: mlp(x)), args.warmup, args.iters)
         fused = cuda_median_ms(lambda: compiled(x), args.warmup, args.iters)
         return 1e3 * eager, 1e3 * replay, 1e3 * fused
 

@@ -50,6 +50,20 @@ def cuda_median_ms(fn: Callable[[], object], warmup: int, reps: int) -> float:
     return statistics.median(times)
 
 
+def cuda_graph_replay(fn: Callable[[], object], warmup: int = 3) -> Callable[[], None]:
+    """A CUDA graph of ``fn`` (warmed up on a side stream first), as a replay callable."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def copy_bytes_per_s(total_bytes: int, warmup: int, reps: int) -> float:
     """Device-to-device copy bandwidth: bytes read plus written per second.
 
