@@ -10,7 +10,6 @@ the real models live in the adapters' test suites.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from untouched import nothing_changes_outside
 
 from megamoe.core import cli
 from megamoe.core.adapters import SyntheticSizes
@@ -333,24 +333,6 @@ CASES: dict[str, tuple[Callable[[Path], None], type[Exception], str]] = {
 }
 
 
-def _tree(root: Path, skip: Path) -> dict[str, str]:
-    """Every entry under ``root`` but ``skip``: file content hashes, link targets, dirs."""
-    found = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in sorted(dirnames + filenames):
-            path = Path(dirpath) / name
-            if path == skip or skip in path.parents:
-                continue
-            rel = str(path.relative_to(root))
-            if path.is_symlink():
-                found[rel] = "-> " + os.readlink(path)
-            elif path.is_file():
-                found[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
-            else:
-                found[rel] = "dir" if path.is_dir() else "other"
-    return found
-
-
 @pytest.fixture
 def damaged(request: pytest.FixtureRequest, tmp_path: Path, toy_adapter) -> tuple[Path, str]:
     case = request.param
@@ -389,13 +371,12 @@ def test_convert_refuses_it_and_changes_nothing(
     ckpt, case = damaged
     _, error, message = CASES[case]
     root, out = ckpt.parent, ckpt.parent / "out"
-    before = _tree(root, out)
-    with pytest.raises(error, match=message):
-        convert_checkpoint(ckpt, out, "mxfp8", progress=False)
-    code = cli.main(["convert", str(ckpt), str(out), "--to", "mxfp8", "--no-progress"])
+    with nothing_changes_outside(root, out):
+        with pytest.raises(error, match=message):
+            convert_checkpoint(ckpt, out, "mxfp8", progress=False)
+        code = cli.main(["convert", str(ckpt), str(out), "--to", "mxfp8", "--no-progress"])
     assert code == cli.EXIT_FAIL
     assert _search(message, capsys.readouterr().err)
-    assert _tree(root, out) == before
     assert not out.exists()
     assert not list(root.glob("out.partial-*"))
 

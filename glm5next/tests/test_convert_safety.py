@@ -3,9 +3,7 @@ the file, stale partials of killed converts are removed, un-indexed weights are 
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import hashlib
 import json
 import os
 import re
@@ -17,10 +15,10 @@ import sys
 import textwrap
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from untouched import deadline, nothing_changes_outside
 
 from megamoe.core import convert as convert_module
 from megamoe.core.adapters import SyntheticSizes
@@ -53,60 +51,8 @@ def _first_shard(src: Path) -> str:
     return sorted(set(json.loads((src / INDEX_FILE).read_text())["weight_map"].values()))[0]
 
 
-def _is_out(name: str, out: Path) -> bool:
-    return name == out.name or name.startswith(out.name + PARTIAL_MARK)
-
-
-def _tree(root: Path, out: Path) -> dict[str, tuple[object, ...]]:
-    """Every entry under ``root`` but ``out`` and its partials: kind, mode, content hash."""
-    found: dict[str, tuple[object, ...]] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        here = Path(dirpath)
-        if here == root:
-            dirnames[:] = [d for d in dirnames if not _is_out(d, out)]
-            filenames = [f for f in filenames if not _is_out(f, out)]
-        for name in dirnames + filenames:
-            path = here / name
-            st = os.lstat(path)
-            key = str(path.relative_to(root))
-            if stat.S_ISREG(st.st_mode):
-                digest = hashlib.sha256(path.read_bytes()).hexdigest()
-                found[key] = ("file", st.st_mode, st.st_mtime_ns, digest)
-            elif stat.S_ISLNK(st.st_mode):
-                found[key] = ("link", os.readlink(path))
-            else:
-                found[key] = ("other", st.st_mode)
-    return found
-
-
-@contextlib.contextmanager
-def _nothing_changes_outside(root: Path, out: Path) -> Iterator[None]:
-    """Fail if anything under ``root`` other than ``out`` (and its partials) changes."""
-    before = _tree(root, out)
-    yield
-    after = _tree(root, out)
-    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
-    assert not changed, f"convert changed files outside {out}: {changed}"
-
-
 def _partials(out: Path) -> list[str]:
     return sorted(p.name for p in out.parent.glob(out.name + PARTIAL_MARK + "*"))
-
-
-@contextlib.contextmanager
-def _deadline(seconds: int) -> Iterator[None]:
-    """Turn a hang (e.g. opening a FIFO) into a failure."""
-
-    def fail(signum: int, frame: object) -> None:
-        raise TimeoutError(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, fail)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def _check_loads(out: Path) -> None:
@@ -134,7 +80,7 @@ def test_symlink_planted_at_the_partial_path_is_never_written_through(
 
     monkeypatch.setattr(convert_module, "_plan", plant_then_plan)
     with (
-        _nothing_changes_outside(tmp_path, out),
+        nothing_changes_outside(tmp_path, out),
         pytest.raises(FileExistsError, match=rf"{re.escape(str(partial))} appeared after"),
     ):
         convert_checkpoint(src, out, "mxfp8", progress=False)
@@ -150,7 +96,7 @@ def test_stale_symlink_at_this_process_partial_is_unlinked_not_followed(tmp_path
     partial = tmp_path / f"out{PARTIAL_MARK}{os.getpid()}"
     partial.symlink_to(victim, target_is_directory=True)
     with (
-        _nothing_changes_outside(tmp_path, out),
+        nothing_changes_outside(tmp_path, out),
         pytest.warns(UserWarning, match=rf"removed stale partial output {re.escape(str(partial))}"),
     ):
         convert_checkpoint(src, out, "mxfp8", progress=False)
@@ -174,7 +120,7 @@ def test_symlink_planted_inside_the_partial_is_never_written_through(
 
     monkeypatch.setattr(convert_module, "_write", plant_then_write)
     with (
-        _nothing_changes_outside(tmp_path, out),
+        nothing_changes_outside(tmp_path, out),
         pytest.raises(FileExistsError, match=rf"File exists creating .*{re.escape(name)}$"),
     ):
         convert_checkpoint(src, out, "mxfp8", progress=False)
@@ -196,7 +142,7 @@ def test_shard_name_that_is_not_a_plain_file_name_is_refused_before_writing(
 
     monkeypatch.setattr(convert_module, "_plan", escaping_plan)
     with (
-        _nothing_changes_outside(tmp_path, out),
+        nothing_changes_outside(tmp_path, out),
         pytest.raises(ValueError, match=r"'\.\./escaped\.safetensors' is not a single plain"),
     ):
         convert_checkpoint(src, out, "mxfp8", progress=False)
@@ -206,7 +152,7 @@ def test_shard_name_that_is_not_a_plain_file_name_is_refused_before_writing(
 def test_output_parent_must_exist(tmp_path: Path) -> None:
     src, out = _checkpoint(tmp_path / "src"), tmp_path / "missing" / "out"
     with (
-        _nothing_changes_outside(tmp_path, tmp_path / "missing"),
+        nothing_changes_outside(tmp_path, tmp_path / "missing"),
         pytest.raises(
             FileNotFoundError,
             match=rf"{re.escape(str(out.parent))}: the output's parent directory does not exist",
@@ -247,7 +193,7 @@ def test_injected_enospc_names_the_file_and_leaves_no_partial(
             rf"{partial}/tokenizer\.json$"
         )
     with (
-        _nothing_changes_outside(tmp_path, out),
+        nothing_changes_outside(tmp_path, out),
         pytest.raises(OSError, match=want) as info,
     ):
         convert_checkpoint(src, out, "mxfp8", progress=False)
@@ -260,7 +206,7 @@ def test_cli_reports_enospc_on_one_line_naming_the_file(
 ) -> None:
     src, out = _checkpoint(tmp_path / "src"), tmp_path / "out"
     monkeypatch.setattr(os, "pwrite", _enospc)
-    with _nothing_changes_outside(tmp_path, out):
+    with nothing_changes_outside(tmp_path, out):
         code = main(["convert", str(src), str(out), "--to", "mxfp8", "--no-progress"])
     err = capsys.readouterr().err
     assert code == 1
@@ -292,7 +238,7 @@ def test_real_enospc_on_a_small_tmpfs(tmp_path: Path) -> None:
     try:
         out = small / "out"
         with (
-            _nothing_changes_outside(tmp_path, out),
+            nothing_changes_outside(tmp_path, out),
             pytest.raises(OSError, match=r"No space left on device \w+ .*small/out\.partial-"),
         ):
             convert_checkpoint(src, out, "mxfp8", progress=False)
@@ -347,7 +293,7 @@ def test_sigkilled_convert_leaves_a_partial_the_next_convert_removes(tmp_path: P
         f"(pid {child.pid} is gone)"
     )
     with (
-        _nothing_changes_outside(tmp_path, out),
+        nothing_changes_outside(tmp_path, out),
         pytest.warns(UserWarning, match=re.escape(want)),
     ):
         convert_checkpoint(src, out, "mxfp8", progress=False)
@@ -363,7 +309,7 @@ def test_partial_of_a_running_convert_is_refused(tmp_path: Path) -> None:
         partial.mkdir()
         (partial / "config.json").write_text("{}")
         with (
-            _nothing_changes_outside(tmp_path, out),
+            nothing_changes_outside(tmp_path, out),
             pytest.raises(
                 FileExistsError,
                 match=rf"{re.escape(str(partial))} exists and process {live.pid} is running: "
@@ -389,7 +335,7 @@ def test_unindexed_weight_files_are_left_out_and_named(
     (src / "stray.safetensors").write_bytes(b"\0" * 64)
     (src / "pytorch_model.bin.index.json").write_text('{"weight_map": {}}')
     (src / "README.md").write_text("# model card\n")
-    with _nothing_changes_outside(tmp_path, out):
+    with nothing_changes_outside(tmp_path, out):
         code = main(["convert", str(src), str(out), "--to", "mxfp8", "--no-progress"])
     err = capsys.readouterr().err
     assert code == 0, err
@@ -418,7 +364,7 @@ def test_symlink_outside_the_checkpoint_is_copied_by_content_with_a_warning(
     (src / "generation_config.json").symlink_to(elsewhere / "gen.json")
     (src / "tokenizer_alias.json").symlink_to("tokenizer.json")  # inside: no warning
     with (
-        _nothing_changes_outside(tmp_path, out),
+        nothing_changes_outside(tmp_path, out),
         warnings.catch_warnings(record=True) as caught,
     ):
         warnings.simplefilter("always")
@@ -440,7 +386,7 @@ def test_hugging_face_cache_links_to_blobs_copy_without_a_warning(tmp_path: Path
     (src / "tokenizer.json").unlink()
     (src / "tokenizer.json").symlink_to(Path("..", "..", "blobs", "f00d"))
     with (
-        _nothing_changes_outside(tmp_path, out),
+        nothing_changes_outside(tmp_path, out),
         warnings.catch_warnings(),
     ):
         warnings.simplefilter("error")
@@ -455,8 +401,8 @@ def test_fifo_and_directory_are_left_out_with_a_note(tmp_path: Path) -> None:
     (src / "original" / "consolidated.pth").write_bytes(b"\0" * 64)
     want = f"{src}: left out entries that are not regular files: original (directory), pipe (FIFO)"
     with (
-        _nothing_changes_outside(tmp_path, out),
-        _deadline(60),
+        nothing_changes_outside(tmp_path, out),
+        deadline(60),
         pytest.warns(UserWarning, match=re.escape(want)),
     ):
         convert_checkpoint(src, out, "mxfp8", progress=False)

@@ -9,20 +9,17 @@ that is zero or negative is data, refused where the data is read: by a load, by 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from untouched import deadline, nothing_changes_outside
 
 from megamoe.core import cli
 from megamoe.core.adapters import SyntheticSizes
@@ -73,14 +70,6 @@ def _set_scale(ckpt: Path, name: str, block: tuple[int, int], value: float) -> N
     _edit_tensor(ckpt, name, scale)
 
 
-def _tree(root: Path, skip: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "d"
-        for p in sorted(root.rglob("*"))
-        if p != skip and skip not in p.parents
-    }
-
-
 def _one_line(text: str) -> str:
     return " ".join(text.split())
 
@@ -89,12 +78,12 @@ def _assert_convert_refuses(
     ckpt: Path, to: str, error: type[Exception], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     root, out = ckpt.parent, ckpt.parent / "out"
-    before = _tree(root, out)
-    with pytest.raises(error, match=message):
-        convert_checkpoint(ckpt, out, to, progress=False)
-    assert cli.main(["convert", str(ckpt), str(out), "--to", to, "--no-progress"]) == 1
+    with nothing_changes_outside(root, out):
+        with pytest.raises(error, match=message):
+            convert_checkpoint(ckpt, out, to, progress=False)
+        assert cli.main(["convert", str(ckpt), str(out), "--to", to, "--no-progress"]) == 1
     assert re.search(message, _one_line(capsys.readouterr().err))
-    assert _tree(root, out) == before and not out.exists()
+    assert not out.exists() and not list(root.glob("out.partial-*"))
 
 
 def _load(ckpt: Path, parallel: ParallelSettings) -> None:
@@ -209,20 +198,6 @@ BOUND_CASES = {
 }
 
 
-@contextmanager
-def _deadline(seconds: int) -> Iterator[None]:
-    def expired(signum: int, frame: object) -> None:
-        raise TimeoutError(f"no answer within {seconds} s: a loop over a config size?")
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 @pytest.mark.parametrize("key", list(BOUND_CASES))
 def test_a_huge_config_size_is_refused_before_any_loop_or_allocation(
     tmp_path: Path, key: str, parallel: ParallelSettings
@@ -232,7 +207,7 @@ def test_a_huge_config_size_is_refused_before_any_loop_or_allocation(
     config["text_config"][key] = BOUND_CASES[key]
     (ckpt / "config.json").write_text(json.dumps(config))
     message = rf"config\.json: {key}={BOUND_CASES[key]} exceeds \d+, the largest megamoe accepts"
-    with _deadline(TIMEOUT_S), pytest.raises(CheckpointError, match=message):
+    with deadline(TIMEOUT_S), pytest.raises(CheckpointError, match=message):
         _load(ckpt, parallel)
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     for args in (["inspect"], ["verify"], ["convert", "--to", "mxfp8"]):
