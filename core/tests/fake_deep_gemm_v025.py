@@ -37,31 +37,13 @@ The casts here are written from the rules, independently of ``megamoe.core``.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import types
-from pathlib import Path
 from typing import Any
 
 import torch
+from fakes import load_fake
 
-_BASE_NAME = "megamoe_tests_fake_deep_gemm"  # the name test_deepgemm_backend loads it under
-
-
-def _load_base() -> types.ModuleType:
-    """``fake_deep_gemm.py`` beside this file, loaded once under its shared name."""
-    if _BASE_NAME not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            _BASE_NAME, Path(__file__).with_name("fake_deep_gemm.py")
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[_BASE_NAME] = module
-        spec.loader.exec_module(module)
-    return sys.modules[_BASE_NAME]
-
-
-base = _load_base()
+base = load_fake("fake_deep_gemm")  # the instance the backend tests load
 FakeDeepGemmError = base.FakeDeepGemmError
 FakeGroup = base.FakeGroup
 _need, _check = base._need, base._check

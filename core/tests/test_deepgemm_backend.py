@@ -7,16 +7,14 @@ here, independently, from the checkpoint tensors.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from collections.abc import Iterator
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from fakes import load_fake
 
 from megamoe.core.backends import deepgemm as dg_backend
 from megamoe.core.backends import symm_buffer
@@ -31,21 +29,7 @@ from megamoe.core.memory import canonical_bytes, resident_bytes
 from megamoe.core.tagging import KernelTag, tag, tag_of
 from megamoe.core.testing import one_rank_experts, synthetic_expert_tensors
 
-
-def _load_fake() -> ModuleType:
-    name = "megamoe_tests_fake_deep_gemm"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, Path(__file__).with_name("fake_deep_gemm.py")
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-fake_dg = _load_fake()
+fake_dg = load_fake("fake_deep_gemm")
 E, TOP_K, H, INTER, T = 4, 2, 256, 256, 24
 PREFIX = "model.layers.3.mlp.experts"
 ARCH_OF = {

@@ -8,37 +8,21 @@ Python source, parsed without importing it (its CUDA extension is not needed).
 from __future__ import annotations
 
 import ast
-import importlib.util
 import inspect
 import os
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from fakes import load_fake
 
 from megamoe.core import nvfp4, quant
 from megamoe.core.bitcheck import assert_bitwise_equal, relative_error
 from megamoe.core.formats import WeightFormat
 
-
-def _load() -> ModuleType:
-    name = "megamoe_tests_fake_deep_gemm_v025"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, Path(__file__).with_name("fake_deep_gemm_v025.py")
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-fake_v025 = _load()
+fake_v025 = load_fake("fake_deep_gemm_v025")
 E, TOP_K, H, INTER, T, S = 4, 2, 256, 256, 20, 1
 WHEEL = Path(os.environ.get("MEGAMOE_DG025", "/tmp/dg025")) / "deep_gemm"
 SOURCES = ("__init__.py", "mega/__init__.py", "utils/math.py")

@@ -2,26 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from fakes import load_fake
 
 from megamoe.core.l1_order import L1RowOrder
 from megamoe.core.pairing import SHARD_DOWN, SHARD_GATE, SHARD_UP
-
-FAKE = Path(__file__).with_name("fake_deep_gemm.py")
-
-
-def _fake_interleave():  # the strict fake models DeepGEMM's transform
-    spec = importlib.util.spec_from_file_location("fake_deep_gemm_for_order", FAKE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module.interleave
 
 
 @pytest.mark.parametrize("group", [0, 8])
@@ -40,7 +26,9 @@ def test_round_trip_and_shard_views(group: int) -> None:
 
 def test_interleaved_order_is_deepgemms() -> None:
     canonical = torch.randn(2, 64, 16)
-    assert torch.equal(L1RowOrder(8).from_canonical(canonical), _fake_interleave()(canonical))
+    assert torch.equal(
+        L1RowOrder(8).from_canonical(canonical), load_fake("fake_deep_gemm").interleave(canonical)
+    )
     assert torch.equal(L1RowOrder().from_canonical(canonical), canonical)
 
 

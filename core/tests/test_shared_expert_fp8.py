@@ -15,15 +15,13 @@ Tolerances (relative Frobenius error of the MLP output):
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 import torch.nn.functional as F
+from fakes import load_fake
 
 from megamoe.core import fp8_gemm, quant
 from megamoe.core.bitcheck import assert_bitwise_equal, relative_error
@@ -39,21 +37,7 @@ from megamoe.core.memory import distinct_storage_bytes
 from megamoe.core.shared_expert import SwiGLUMLP
 from megamoe.core.testing import synthetic_expert_tensors
 
-
-def _load_fake() -> ModuleType:
-    name = "megamoe_tests_fake_deep_gemm"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, Path(__file__).with_name("fake_deep_gemm.py")
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-fake_dg = _load_fake()
+fake_dg = load_fake("fake_deep_gemm")
 H, INTER, T = 256, 384, 19  # 19 tokens: the scale columns need TMA padding (to 20)
 FP8 = WeightFormat.FP8_BLOCK
 SCALE = "weight_scale_inv"
