@@ -3,12 +3,20 @@
 For each model in ``--models``: the release's layer sizes (transformers 5.24.0's config
 defaults: Qwen4-Exp H=2048, 512 experts, top-10, I=512; GLM-5.3-Flash H=4096, 288
 experts, top-8, I=2048, SwiGLU clamp 10) with ``--layers`` decoder layers, every one MoE
-(the last one full attention, the others linear), random weights, written as BF16 and
-quantized to block-FP8 (128x128) by transformers while loading (``FineGrainedFP8Config``,
-as the GLM-5.3-Flash release stores its weights). One loaded model runs each
-implementation in turn: ``eager``, ``grouped_mm``, transformers' ``deepgemm``, then
-``megamoe`` (last: it takes the experts' weights over; ``prepare`` builds every layer
-for ``--prefill`` tokens per call).
+(the last one full attention, the others linear), random weights written as BF16. Each
+``--weights`` loads that checkpoint once:
+
+- ``bf16``: as written; megamoe quantizes the experts to block-FP8 (128x128) as it takes
+  them over, transformers' implementations run them in BF16;
+- ``fp8``: the experts quantized to block-FP8 by transformers while loading
+  (``FineGrainedFP8Config``, every other linear left in BF16), as the GLM-5.3-Flash release
+  stores them; megamoe runs them as stored. transformers' own FP8 experts run through its
+  finegrained-fp8 Triton kernel, which the ``kernels`` package fetches from the Hugging
+  Face Hub: where that cannot be reached their rows say so.
+
+One loaded model runs each implementation in turn: ``eager``, ``grouped_mm``,
+transformers' ``deepgemm``, then ``megamoe`` (last: it takes the experts' weights over;
+``prepare`` builds every layer for ``--prefill`` tokens per call).
 
 - prefill: one forward of 1 x ``--prefill`` tokens (a fresh cache each time);
 - decode: one token per step after that prefill (the cache grows), ``--decode-steps``;
@@ -25,7 +33,7 @@ megamoe's kernel, sgl-deep-gemm; at 2 layers GLM-5.3-Flash takes about 35 GiB of
 memory while its BF16 weights are written, and as much ``--workdir`` space (Qwen4-Exp 10).
 
     python benchmarks/bench_transformers.py                      # both models, 2 layers
-    python benchmarks/bench_transformers.py --models qwen4_exp --json transformers.json
+    python benchmarks/bench_transformers.py --models qwen4_exp --weights fp8 --json t.json
 """
 
 from __future__ import annotations
@@ -49,9 +57,15 @@ from harness import format_table, write_json
 from megamoe.transformers.loaded_experts import is_experts_module
 
 IMPLEMENTATIONS = ("eager", "grouped_mm", "deepgemm", megamoe.transformers.IMPLEMENTATION)
+WEIGHTS = ("bf16", "fp8")
+# Block-FP8 for the routed experts only: every other module matches the pattern and is kept.
+FP8_EXPERTS = FineGrainedFP8Config(
+    weight_block_size=[128, 128], modules_to_not_convert=[r"(?!.*\.mlp\.experts$).*"]
+)
 GIB = 2**30
 COLUMNS = (
     ("model", "<13"),
+    ("weights", "<7"),
     ("experts", "<10"),
     ("setup s", ">7.1f"),
     ("prefill ms", ">10.1f"),
@@ -64,6 +78,7 @@ COLUMNS = (
 )
 KEYS = (
     "model",
+    "weights",
     "implementation",
     "setup_s",
     "prefill_ms",
@@ -200,41 +215,50 @@ def measure(model: torch.nn.Module, args: argparse.Namespace) -> dict[str, float
 
 
 def run_model(model_name: str, args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
-    """Every implementation on one model; one row each."""
+    """Every implementation on each ``--weights`` load of one model; one row each."""
     path = workdir / model_name
     started = time.perf_counter()
     cls = write_checkpoint(model_name, args.layers, path)
-    model = cls.from_pretrained(
-        path,
-        dtype=torch.bfloat16,
-        device_map="cuda",
-        quantization_config=FineGrainedFP8Config(weight_block_size=[128, 128]),
-        experts_implementation="eager",
-    ).eval()
-    print(f"{model_name}: written and loaded as block-FP8 in {time.perf_counter() - started:.0f} s")
+    print(f"{model_name}: written in {time.perf_counter() - started:.0f} s")
     rows = []
-    for implementation in args.implementations:
-        row: dict[str, Any] = {"model": model_name, "implementation": implementation}
+    for weights in args.weights:
+        quantization = {"fp8": {"quantization_config": FP8_EXPERTS}}
+        started = time.perf_counter()
+        model = cls.from_pretrained(
+            path,
+            dtype=torch.bfloat16,
+            device_map="cuda",
+            experts_implementation="eager",
+            **quantization.get(weights, {}),
+        ).eval()
+        print(f"{model_name}: loaded as {weights} in {time.perf_counter() - started:.0f} s")
+        for implementation in args.implementations:
+            row = {"model": model_name, "weights": weights, "implementation": implementation}
+            rows.append(row | run_implementation(model, implementation, args))
+            print(format_table(COLUMNS, [[rows[-1].get(k) for k in KEYS]]).splitlines()[-1])
+        del model
         gc.collect()
         torch.cuda.empty_cache()
-        try:
-            started = time.perf_counter()
-            if implementation == megamoe.transformers.IMPLEMENTATION:
-                megamoe.transformers.prepare(model, max_num_tokens=args.prefill)
-                torch.cuda.synchronize()
-            else:
-                model.set_experts_implementation(implementation)
-            row["setup_s"] = time.perf_counter() - started
-            row |= measure(model, args)
-        except Exception as exc:  # one implementation failing must not hide the others
-            row["note"] = f"not run: {type(exc).__name__}: {str(exc).splitlines()[0][:140]}"
-        print(format_table(COLUMNS, [[row.get(k) for k in KEYS]]).splitlines()[-1], flush=True)
-        rows.append(row)
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()
     shutil.rmtree(path)
     return rows
+
+
+def run_implementation(
+    model: torch.nn.Module, implementation: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Switch ``model`` to ``implementation`` and measure it, or say why it cannot run."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    try:
+        started = time.perf_counter()
+        if implementation == megamoe.transformers.IMPLEMENTATION:
+            megamoe.transformers.prepare(model, max_num_tokens=args.prefill)
+            torch.cuda.synchronize()
+        else:
+            model.set_experts_implementation(implementation)
+        return {"setup_s": time.perf_counter() - started} | measure(model, args)
+    except Exception as exc:  # one implementation failing must not hide the others
+        return {"note": f"not run: {type(exc).__name__}: {str(exc).splitlines()[0][:140]}"}
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -244,6 +268,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--prefill", type=int, default=2048, help="prompt tokens (batch 1)")
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--implementations", default=",".join(IMPLEMENTATIONS))
+    p.add_argument("--weights", default="bf16,fp8", help="how the experts are loaded: bf16, fp8")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temp dir)")
@@ -251,6 +276,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.models = args.models.split(",")
     args.implementations = args.implementations.split(",")
+    args.weights = args.weights.split(",")
+    if unknown := set(args.weights) - set(WEIGHTS):
+        p.error(f"--weights: unknown {sorted(unknown)}; expected some of {', '.join(WEIGHTS)}")
     if megamoe.transformers.IMPLEMENTATION in args.implementations[:-1]:
         p.error("--implementations: megamoe takes the experts' weights over, so it must be last")
     if args.layers < 2:

@@ -20,6 +20,7 @@ per prompt, ``||a - b|| / ||b||``.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +77,36 @@ def _block_inputs(
     if not inputs:
         raise ValueError(f"none of the MoE blocks {sorted(tiny.moe_blocks)} ran in the model")
     return {p: x.reshape(-1, x.shape[-1]).cpu() for p, x in inputs.items()}
+
+
+def same_routing(
+    tiny: TinyModel, reference: torch.nn.Module, other: torch.nn.Module, input_ids: torch.Tensor
+) -> torch.Tensor:
+    """Per prompt, whether both runs choose the same experts at every MoE layer and position.
+
+    Each run's choice is the float64 router's on that run's own block inputs. For runs whose
+    selection scores differ by more than most margins (FP8 activations against BF16), where
+    ``away_from_ties`` would keep no prompt: a prompt routed alike compares the experts'
+    arithmetic, one routed apart compares different experts.
+
+    Returns:
+        (B,) bool.
+    """
+    batch, length = input_ids.shape
+    a, b = _block_inputs(tiny, reference, input_ids), _block_inputs(tiny, other, input_ids)
+    same = torch.ones(batch, dtype=torch.bool)
+    for prefix in a:
+        router = copy.deepcopy(tiny.moe_blocks[prefix].gate).to(torch.float64)
+        ids_a, ids_b = (_chosen_experts(router, x[prefix]) for x in (a, b))
+        same &= (ids_a == ids_b).all(dim=-1).reshape(batch, length).all(dim=1)
+    return same
+
+
+def _chosen_experts(router: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """(T, k) expert ids a float64 router chooses for (T, H) inputs, sorted per row."""
+    with torch.no_grad():
+        _, _, ids = router(x.to(torch.float64).reshape(1, -1, x.shape[-1]))
+    return ids.reshape(x.shape[0], -1).sort(dim=-1).values
 
 
 def _selection_scores(router: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -264,6 +264,7 @@ def save_checkpoint(
     *,
     fused: bool = False,
     fp8_block: bool = False,
+    fp8_shared: bool = True,
     mtp_layers: int = 0,
     max_shard_size: str = "1MB",
 ) -> Path:
@@ -283,6 +284,9 @@ def save_checkpoint(
         fp8_block: Store every routed- and shared-expert weight as float8_e4m3fn with a
             float32 ``weight_scale_inv`` per 128x128 block, plus a top-level
             quantization_config.
+        fp8_shared: With ``fp8_block``, the shared expert in block-FP8 too (as releases
+            store it); False keeps it in BF16 (transformers runs BF16 linears without its
+            Hub-fetched FP8 kernel).
         mtp_layers: MTP layers to append, each with a routed MoE named like a main layer's.
         max_shard_size: Passed to ``save_pretrained``; small so there are several shards.
 
@@ -313,7 +317,7 @@ def save_checkpoint(
     if extra:
         _append_shard(path, extra)
     if fp8_block:
-        config["quantization_config"] = _quantize_checkpoint(tiny, path)
+        config["quantization_config"] = _quantize_checkpoint(tiny, path, fp8_shared)
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return path
 
@@ -556,12 +560,15 @@ def _fp8_block_to_f64(weight_fp8: torch.Tensor, scale: torch.Tensor) -> torch.Te
     return weight_fp8.double() * full[:rows, :cols]
 
 
-def _quantize_checkpoint(tiny: TinyModel, path: Path) -> dict[str, Any]:
-    """Rewrite every expert weight on disk as block-FP8; put the dequantized values in tiny."""
+def _quantize_checkpoint(tiny: TinyModel, path: Path, shared: bool) -> dict[str, Any]:
+    """Rewrite the expert weights on disk as block-FP8; put the dequantized values in tiny.
+
+    Every routed expert's; the shared expert's too where ``shared``.
+    """
     targets: dict[str, tuple[str, str, tuple[Any, ...]]] = {}  # disk name: prefix, param, index
     for prefix, block in tiny.moe_blocks.items():
         inter = block.experts.intermediate_dim
-        for proj in PROJECTIONS:
+        for proj in PROJECTIONS if shared else ():
             targets[f"{prefix}.{_shared_name(block)}.{proj}.weight"] = (
                 prefix,
                 f"{_shared_name(block)}.{proj}.weight",

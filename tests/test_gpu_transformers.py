@@ -2,18 +2,24 @@
 
 Run with ``nox -s gpu_tests``. ``tests/test_transformers_experts.py`` on the GPU: a tiny
 random model with two MoE layers at sizes the kernel runs (H=2048, I=768, 32 experts,
-top-8; GLM clamps SwiGLU at 1.5), written as a block-FP8 checkpoint and loaded with
+top-8; GLM clamps SwiGLU at 1.5), written as a block-FP8 checkpoint (routed experts; the
+shared expert stays BF16, see below) and loaded with
 ``from_pretrained(..., device_map="cuda")``, which keeps transformers' ``FP8Experts``
 (float8 weights, 128x128 float32 scales). ``experts_implementation="megamoe"`` runs them
-through DeepGEMM's ``fp8_mega_moe`` as stored (checked), ``"eager"`` through transformers'
-own loop of FP8 GEMMs. Both round activations to FP8, differently (the kernel also rounds
-the SwiGLU output to FP8 with power-of-two scales per 64 columns), so the bounds are
-wider than on the CPU. Prompts are chosen away from near-ties as there
-(``model_agreement``), from the eager run's margins, with thresholds taken from the two
-runs' differences on the forward's prompts (no H200 measurement fixed them yet): the
-largest selection-score difference, and twice the largest logit difference for the top-2
-gap (at equal inputs no greedy token can flip then). Prompts of 4 tokens keep the number
-of routing choices per prompt low (32 experts, top-8 has small gaps).
+through DeepGEMM's ``fp8_mega_moe`` as stored (checked). The oracle is the same checkpoint
+loaded with ``FineGrainedFP8Config(dequantize=True)`` through transformers' ``"eager"`` loop:
+the same weight values (rounded to bfloat16) in BF16 GEMMs. (transformers' own FP8 GEMMs
+need its finegrained-fp8 Triton kernel from the Hugging Face Hub, through the ``kernels``
+package, which a machine without the Hub lacks.)
+
+The kernel rounds activations to FP8 (and the SwiGLU output to FP8 with power-of-two scales
+per 64 columns), so the second layer's selection scores differ from BF16's by more than
+most routing margins: ``away_from_ties`` keeps no prompt at 32 experts, top-8 (measured
+on the H200: scores 0.042 apart, margins mostly below 0.02). So the prompts compared are
+those both runs route alike at every layer and position (``same_routing``; the first
+layer's inputs are equal, so only later layers can differ), and for generation also those
+whose eager top-2 logit gap is at least twice the largest logit difference of the forward.
+Short prompts keep the number of routing choices per prompt low.
 """
 
 from __future__ import annotations
@@ -50,10 +56,11 @@ KERNEL_SIZES = {  # the sizes tests/test_gpu_deepgemm.py runs the kernel at
         topk_group=2,
     ),
 }
-# The kernel is 0.045 from a float64 layer (docs/gpu.md) and transformers' FP8 loop rounds
-# too: a bound of about that per layer, not yet measured on whole models.
-LOGITS_TOL = 5e-2
-PROMPTS, GENERATION_PROMPTS, PROMPT_LEN, NEW_TOKENS = 64, 256, 4, 8
+# The kernel is 0.045 from a float64 layer (docs/gpu.md); over two MoE layers about
+# sqrt(2) times that (0.064). Measured on the H200 (sgl-deep-gemm 0.1.4.post1) on the
+# prompts routed alike: 0.051..0.070 (Qwen4-Exp), 0.053..0.078 (GLM-5.3-Flash).
+LOGITS_TOL = 0.1
+PROMPTS, GENERATION_PROMPTS, PROMPT_LEN, NEW_TOKENS = 64, 512, 2, 8
 MIN_PROMPTS = 3
 
 
@@ -82,9 +89,9 @@ def test_block_fp8_model_on_the_kernel_matches_eager(tmp_path: Path, family: str
         candidate_prompts,
         greedy,
         logits_error,
-        routing_margins,
-        routing_score_gap,
+        same_routing,
     )
+    from transformers.utils.quantization_config import FineGrainedFP8Config
     from transformers_oracle import build_tiny_model, save_checkpoint
 
     import megamoe.transformers
@@ -93,28 +100,31 @@ def test_block_fp8_model_on_the_kernel_matches_eager(tmp_path: Path, family: str
     tiny = build_tiny_model(
         family, seed=0, **limit, **TWO_MOE_LAYERS[family], **KERNEL_SIZES[family]
     )
-    path = save_checkpoint(tiny, tmp_path / family, fp8_block=True)
+    # The shared expert stays BF16: transformers runs an FP8 one through its Hub kernel only.
+    path = save_checkpoint(tiny, tmp_path / family, fp8_block=True, fp8_shared=False)
     cls = type(tiny.model)
-    eager, ours = (
-        cls.from_pretrained(
-            path, dtype=torch.bfloat16, device_map="cuda", experts_implementation=impl
-        ).eval()
-        for impl in ("eager", megamoe.transformers.IMPLEMENTATION)
-    )
+    load = dict(dtype=torch.bfloat16, device_map="cuda")
+    dequantized = FineGrainedFP8Config(dequantize=True)
+    eager = cls.from_pretrained(
+        path, **load, quantization_config=dequantized, experts_implementation="eager"
+    ).eval()
+    ours = cls.from_pretrained(
+        path, **load, experts_implementation=megamoe.transformers.IMPLEMENTATION
+    ).eval()
     vocab = tiny.text_config.vocab_size
 
     prompts = candidate_prompts(PROMPTS, PROMPT_LEN, vocab, seed=1)
-    score_gap = routing_score_gap(tiny, eager, ours, prompts)
-    rows = away_from_ties(routing_margins(tiny, eager, prompts), score_gap, MIN_PROMPTS, "routing")
+    rows = same_routing(tiny, eager, ours, prompts).nonzero().flatten()
+    assert rows.numel() >= MIN_PROMPTS, f"{rows.numel()} of {PROMPTS} prompts routed alike"
     with torch.no_grad():
         expected = eager(prompts[rows].cuda()).logits.cpu()
         actual = ours(prompts[rows].cuda()).logits.cpu()
     errors = logits_error(actual, expected)
     logit_gap = float((actual.float() - expected.float()).abs().max())
     print(
-        f"[transformers gpu {family}] selection scores differ by up to {score_gap:.4g}; "
-        f"{rows.numel()} of {PROMPTS} prompts away from routing ties: logits error "
-        f"{errors.min():.4f}..{errors.max():.4f}, largest logit difference {logit_gap:.4f}"
+        f"[transformers gpu {family}] {rows.numel()} of {PROMPTS} prompts routed alike: "
+        f"logits error {errors.min():.4f}..{errors.max():.4f}, largest logit difference "
+        f"{logit_gap:.4f}"
     )
     assert errors.max() <= LOGITS_TOL, errors.tolist()
     children = [m for m in ours.modules() if isinstance(m, MegaMoEExperts)]
@@ -127,16 +137,16 @@ def test_block_fp8_model_on_the_kernel_matches_eager(tmp_path: Path, family: str
     reference = greedy(
         eager, candidate_prompts(GENERATION_PROMPTS, PROMPT_LEN, vocab, 2), NEW_TOKENS
     )
-    routing = routing_margins(tiny, eager, reference.sequences)
+    alike = same_routing(tiny, eager, ours, reference.sequences)
     rows = away_from_ties(
-        torch.where(routing >= score_gap, reference.top2_margins, -1.0),
+        torch.where(alike, reference.top2_margins, -1.0),
         2 * logit_gap,
         MIN_PROMPTS,
-        "routing and top-2 logit",
+        "top-2 logit (among prompts routed alike)",
     )
     generated = greedy(ours, reference.sequences[rows, :PROMPT_LEN], NEW_TOKENS)
     print(
-        f"[transformers gpu {family}] {rows.numel()} of {GENERATION_PROMPTS} prompts away "
-        f"from ties, {NEW_TOKENS} tokens each"
+        f"[transformers gpu {family}] {int(alike.sum())} of {GENERATION_PROMPTS} generations "
+        f"routed alike, {rows.numel()} of them away from top-2 ties, {NEW_TOKENS} tokens each"
     )
     assert torch.equal(generated.tokens, reference.tokens[rows])

@@ -42,6 +42,7 @@ from model_agreement import (
     greedy,
     logits_error,
     routing_margins,
+    same_routing,
 )
 from safetensors import safe_open
 from transformers.integrations.finegrained_fp8 import FP8Experts, replace_with_fp8_linear
@@ -180,6 +181,26 @@ def test_logits_match_eager(
         assert experts.weight_format is checkpoint_format  # the reference runs it as stored
         assert experts.backend.name == "reference"
         assert experts.swiglu_limit == (SWIGLU_LIMIT if family == "glm5_next" else None)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_same_routing_tells_runs_routed_apart(
+    models: Callable[[str, WeightFormat], Models], family: str
+) -> None:
+    """The prompt filter of the GPU test: every prompt away from ties is routed alike, and
+    a run whose first MoE layer outputs twice as much is routed apart on some prompts."""
+    m = models(family, WeightFormat.BF16)
+    prompts = _prompts(m, seed=1)
+    alike = same_routing(m.tiny, m.eager, m.megamoe, prompts)
+    margins = routing_margins(m.tiny, m.eager, prompts)
+    rows = away_from_ties(margins, ROUTING_MARGIN[family], MIN_PROMPTS, "routing")
+    assert alike[rows].all()
+    louder = copy.deepcopy(m.eager)
+    first = louder.get_submodule(f"{next(iter(m.tiny.moe_blocks))}.experts")
+    with torch.no_grad():
+        first.down_proj.mul_(2)
+    apart = ~same_routing(m.tiny, m.eager, louder, prompts)
+    assert apart.any() and not apart.all(), apart.tolist()
 
 
 @pytest.mark.parametrize("checkpoint_format", FORMATS, ids=lambda f: f.value)
