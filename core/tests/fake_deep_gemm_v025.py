@@ -159,6 +159,7 @@ class FakeDeepGemm025(base.FakeDeepGemm):
         super().__init__(arch=arch, kinds=kinds, device=device)
         self.shared: dict[int, int] = {}  # id(buffer) -> num_shared_experts
         self.bounds: list[int | None] = []  # num_tokens_bound per fp8_mega_moe call
+        self.transform_mma_types: list[str] = []  # per transform_weights_for_mega_moe call
 
     def module(self) -> types.ModuleType:
         """The fake ``deep_gemm``: 0.2.5 has every entry point on every architecture."""
@@ -262,6 +263,7 @@ class FakeDeepGemm025(base.FakeDeepGemm):
         mma_type: str = "fp8xfp4",
     ) -> Any:
         _need(activation == "swiglu", f"activation {activation!r} is not modelled")
+        self.transform_mma_types.append(mma_type)
         if mma_type != NVFP4_KIND:
             one = isinstance(l1_weights, torch.Tensor) and l1_weights.dim() == 2
             if one:  # one expert: 0.2.5 adds and removes the expert dimension

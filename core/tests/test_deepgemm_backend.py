@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from fakes import load_fake
 
 from megamoe.core.backends import deepgemm as dg_backend
-from megamoe.core.backends import symm_buffer
+from megamoe.core.backends import select, symm_buffer
 from megamoe.core.backends.deepgemm import DeepGemmBackend, missing_api, supported_kinds
 from megamoe.core.backends.deepgemm_layout import L1_ROW_ORDER
 from megamoe.core.bitcheck import relative_error
@@ -30,6 +30,11 @@ from megamoe.core.tagging import KernelTag, tag, tag_of
 from megamoe.core.testing import one_rank_experts, synthetic_expert_tensors
 
 fake_dg = load_fake("fake_deep_gemm")
+fake_v025 = load_fake("fake_deep_gemm_v025")
+# The API generations the backend speaks: sgl-deep-gemm 0.1.4.post1 (the H200's build) and
+# 0.2.5 (num_shared_experts, shared_l1/l2_weights, num_tokens_bound, mma_type transforms).
+OLD, NEW = "0.1.4.post1", "0.2.5"
+GENERATIONS = (OLD, NEW)
 E, TOP_K, H, INTER, T = 4, 2, 256, 256, 24
 PREFIX = "model.layers.3.mlp.experts"
 ARCH_OF = {
@@ -61,21 +66,34 @@ def _fresh_buffers() -> Iterator[None]:
     symm_buffer.clear_symm_buffers()
 
 
+@pytest.fixture(params=GENERATIONS)
+def generation(request: pytest.FixtureRequest) -> str:
+    """The DeepGEMM API generation a test runs against (each test runs against both)."""
+    return str(request.param)
+
+
 def install(
     monkeypatch: pytest.MonkeyPatch,
     arch: str,
     kinds: frozenset[str] | None = None,
     *,
     activation_clamp: bool = True,
+    generation: str = OLD,
 ) -> object:
     """Put a fake deep_gemm in sys.modules, fake the architecture and the one-rank group.
 
-    ``activation_clamp=False`` installs the API generation whose kernels lack that keyword.
+    ``activation_clamp=False`` installs the API generation whose kernels lack that keyword;
+    ``generation`` picks the fake of 0.1.4.post1 (where ``kinds`` may drop kernels) or of
+    0.2.5 (every kernel).
     """
     default = frozenset({fake_dg.SM90_KIND}) if arch == "sm90" else fake_dg.SM100_KINDS
-    fake = fake_dg.FakeDeepGemm(
-        arch=arch, kinds=default if kinds is None else kinds, activation_clamp=activation_clamp
-    )
+    if generation == NEW:
+        assert kinds is None and activation_clamp, "the 0.2.5 fake has every kernel"
+        fake = fake_v025.FakeDeepGemm025(arch=arch)
+    else:
+        fake = fake_dg.FakeDeepGemm(
+            arch=arch, kinds=default if kinds is None else kinds, activation_clamp=activation_clamp
+        )
     monkeypatch.setitem(sys.modules, "deep_gemm", fake.module())
     monkeypatch.setattr(dg_backend, "_device_arch", lambda device: arch)
     group = fake_dg.FakeGroup()
@@ -262,8 +280,10 @@ def test_missing_deep_gemm_names_the_package(monkeypatch: pytest.MonkeyPatch) ->
 
 # ------------------------------------------------------------------ numerics
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
-def test_forward_matches_float64_moe(monkeypatch: pytest.MonkeyPatch, fmt: WeightFormat) -> None:
-    fake = install(monkeypatch, ARCH_OF[fmt])
+def test_forward_matches_float64_moe(
+    monkeypatch: pytest.MonkeyPatch, fmt: WeightFormat, generation: str
+) -> None:
+    fake = install(monkeypatch, ARCH_OF[fmt], generation=generation)
     experts = build(fmt, "deepgemm")
     assert experts.backend.name == "deepgemm"
     x, weights, ids = inputs()
@@ -278,8 +298,10 @@ def test_forward_matches_float64_moe(monkeypatch: pytest.MonkeyPatch, fmt: Weigh
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
-def test_swapped_gate_and_up_is_caught(monkeypatch: pytest.MonkeyPatch, fmt: WeightFormat) -> None:
-    install(monkeypatch, ARCH_OF[fmt])
+def test_swapped_gate_and_up_is_caught(
+    monkeypatch: pytest.MonkeyPatch, fmt: WeightFormat, generation: str
+) -> None:
+    install(monkeypatch, ARCH_OF[fmt], generation=generation)
     experts = build(fmt, "deepgemm")
     x, weights, ids = inputs()
     want = float64_moe(fmt, x, weights, ids)
@@ -343,9 +365,9 @@ def clamping_limit(fmt: WeightFormat, x: torch.Tensor, ids: torch.Tensor) -> flo
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
 def test_swiglu_clamp_matches_the_reference(
-    monkeypatch: pytest.MonkeyPatch, fmt: WeightFormat
+    monkeypatch: pytest.MonkeyPatch, fmt: WeightFormat, generation: str
 ) -> None:
-    fake = install(monkeypatch, ARCH_OF[fmt])
+    fake = install(monkeypatch, ARCH_OF[fmt], generation=generation)
     x, weights, ids = inputs()
     limit = clamping_limit(fmt, x, ids)
     y = build(fmt, "deepgemm", swiglu_limit=limit)(x, weights, ids)
@@ -439,11 +461,107 @@ def test_clamp_is_in_the_kernel_tag_not_the_buffer_tag(
     assert torch.equal(clamped(x, weights, ids).view(torch.int16), y_clamped.view(torch.int16))
 
 
+# ------------------------------------------------------------------ API generations
+SM100_FORMATS = [WeightFormat.BF16, WeightFormat.MXFP8, WeightFormat.MXFP4]
+SHARDS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def build_with_shared(fmt: WeightFormat, backend: str, shared_seed: int = 2) -> MegaMoEExperts:
+    """``build``'s experts plus one fused shared expert (synthetic, ``shared_seed``)."""
+    experts = one_rank_experts(
+        E,
+        H,
+        INTER,
+        top_k=TOP_K,
+        weight_format=fmt,
+        checkpoint_format=fmt,
+        max_num_tokens=T,
+        backend=backend,
+        device="cpu",
+        prefix=PREFIX,
+        emulate_kernel=backend == "reference",
+        num_shared_experts=1,
+        reload_staging_bytes=STAGE_WHOLE_RELOAD,
+    )
+    experts.load_weights(synthetic_expert_tensors(fmt, E, H, INTER, seed=0))
+    load_shared(experts, fmt, shared_seed)
+    experts.finalize()
+    return experts
+
+
+def load_shared(experts: MegaMoEExperts, fmt: WeightFormat, seed: int) -> None:
+    shared = dict(synthetic_expert_tensors(fmt, 1, H, INTER, seed=seed))
+    for shard, proj in SHARDS.items():
+        for kind in ("weight", *([fmt.scale_name] if fmt.scale_name else [])):
+            experts.load_shared_expert_tensor(shard, kind, shared[f"0.{proj}.{kind}"])
+
+
+@pytest.mark.parametrize("fmt", SM100_FORMATS, ids=lambda f: f.value)
+def test_fused_shared_experts_where_the_api_takes_them(
+    monkeypatch: pytest.MonkeyPatch, fmt: WeightFormat, generation: str
+) -> None:
+    fake = install(monkeypatch, "sm100", generation=generation)
+    fuses = DeepGemmBackend.fuses_shared_experts(fmt, torch.device("cpu"))
+    assert fuses is (generation == NEW)
+    if generation == OLD:
+        with pytest.raises(CapabilityError, match=r"_mega_moe takes no shared_l1_weights"):
+            build_with_shared(fmt, "deepgemm")
+        return
+    experts = build_with_shared(fmt, "deepgemm")
+    entry = experts.backend.symm_buffer
+    assert entry is not None and entry.key.num_shared_experts == 1
+    assert fake.shared[id(entry.buffer)] == 1  # type: ignore[attr-defined]
+    x, weights, ids = inputs()
+    y = experts(x, weights, ids)
+    reference = build_with_shared(fmt, "reference")
+    error = relative_error(y, reference(x, weights, ids))
+    assert error <= EMULATION_TOL
+    # The shared expert's share of the output (seen: 0.58-1.0; the emulation 0.002)
+    # is far above the emulation's difference, so dropping it fails.
+    routed_only = build(fmt, "reference", emulate=True)
+    assert relative_error(y, routed_only(x, weights, ids)) > max(EMULATION_TOL, 10 * error)
+    # A reload of the shared expert alone reaches the kernel, in place.
+    before = {n: t.data_ptr() for n, t in experts.backend.kernel_weights.items()}
+    assert {n for n in before if n.startswith("deepgemm shared")}
+    load_shared(experts, fmt, seed=3)
+    experts.finalize()
+    assert {n: t.data_ptr() for n, t in experts.backend.kernel_weights.items()} == before
+    reloaded = build_with_shared(fmt, "reference", shared_seed=3)
+    error = relative_error(experts(x, weights, ids), reloaded(x, weights, ids))
+    assert error <= EMULATION_TOL
+    assert relative_error(experts(x, weights, ids), y) > max(EMULATION_TOL, 10 * error)
+
+
+@pytest.mark.parametrize("fmt", SM100_FORMATS, ids=lambda f: f.value)
+def test_transforms_are_told_the_kernel_kind(
+    monkeypatch: pytest.MonkeyPatch, fmt: WeightFormat
+) -> None:
+    fake = install(monkeypatch, "sm100", generation=NEW)
+    build(fmt, "deepgemm")
+    kind = dg_backend.KERNEL_KINDS[("sm100", fmt)]
+    assert fake.transform_mma_types == [kind] * E  # type: ignore[attr-defined]
+
+
+def test_fp8_mega_moe_gets_the_token_bound_where_it_takes_one(
+    monkeypatch: pytest.MonkeyPatch, generation: str
+) -> None:
+    fake = install(monkeypatch, "sm90", generation=generation)
+    experts = build(WeightFormat.FP8_BLOCK, "deepgemm")
+    for tokens in (T, 5):
+        x, weights, ids = inputs(tokens)
+        want = float64_moe(WeightFormat.FP8_BLOCK, x, weights, ids)
+        assert relative_error(experts(x, weights, ids), want) <= FLOAT_TOL[WeightFormat.FP8_BLOCK]
+    if generation == NEW:
+        assert fake.bounds == [T, 5]  # type: ignore[attr-defined]
+    else:
+        assert not hasattr(fake, "bounds")
+
+
 # ------------------------------------------------------------------ buffers
 def test_one_buffer_per_shape_and_kind_allocated_at_finalize(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, generation: str
 ) -> None:
-    fake = install(monkeypatch, "sm100")
+    fake = install(monkeypatch, "sm100", generation=generation)
     first = build(WeightFormat.MXFP4, "deepgemm", seed=0)
     second = build(WeightFormat.MXFP4, "deepgemm", seed=1)
     assert len(fake.buffers) == 1  # type: ignore[attr-defined]
@@ -498,9 +616,9 @@ def test_tags_of_buffer_and_kernel_tensors_are_checked(monkeypatch: pytest.Monke
 # ------------------------------------------------------------------ reload
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
 def test_reload_of_some_experts_is_in_place(
-    monkeypatch: pytest.MonkeyPatch, fmt: WeightFormat
+    monkeypatch: pytest.MonkeyPatch, fmt: WeightFormat, generation: str
 ) -> None:
-    fake = install(monkeypatch, ARCH_OF[fmt])
+    fake = install(monkeypatch, ARCH_OF[fmt], generation=generation)
     experts = build(fmt, "deepgemm", seed=0)
     before = {n: t.data_ptr() for n, t in experts.backend.kernel_weights.items()}
     calls = fake.transform_calls  # type: ignore[attr-defined]
@@ -552,11 +670,11 @@ def test_failed_reload_keeps_serving(monkeypatch: pytest.MonkeyPatch) -> None:
     ids=lambda v: getattr(v, "value", ""),
 )
 def test_the_kernel_reads_the_experts_own_weights(
-    monkeypatch: pytest.MonkeyPatch, fmt: WeightFormat, aliased: dict[str, str]
+    monkeypatch: pytest.MonkeyPatch, fmt: WeightFormat, aliased: dict[str, str], generation: str
 ) -> None:
     """One resident copy: every weight piece is an expert parameter's own storage; only
     SM100's packed scales (DeepGEMM's layout of the UE8M0 bytes) are the backend's."""
-    install(monkeypatch, ARCH_OF[fmt])
+    install(monkeypatch, ARCH_OF[fmt], generation=generation)
     experts = build(fmt, "deepgemm")
     params = experts.kernel_params
     for name, tensor in experts.backend.kernel_weights.items():
@@ -594,11 +712,11 @@ def test_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     with pytest.raises(ValueError, match="intermediate_size=4224 exceeds 4096"):
         one_rank_experts(E, H, 4224, **common)
-    with pytest.raises(CapabilityError, match="does not fuse shared experts"):
+    with pytest.raises(CapabilityError, match="takes no shared_l1_weights"):
         one_rank_experts(E, H, INTER, num_shared_experts=1, **common)
     experts = build(WeightFormat.FP8_BLOCK, "deepgemm")
     with pytest.raises(
-        ValueError, match="first prepare\\(\\) must cover all 4 local experts, got 1"
+        ValueError, match="first prepare\\(\\) must cover all 4 local experts and 0 shared"
     ):
         DeepGemmBackend().prepare(experts, [0])
     with pytest.raises(RuntimeError, match="call finalize\\(\\) first"):
@@ -648,3 +766,18 @@ def test_group_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
         ValueError, match=r"torch\.distributed runs 2 ranks; pass the expert-parallel group"
     ):
         symm_buffer.resolve_group(None, torch.device("cpu"))
+
+
+def test_the_auto_choice_tells_whether_shared_experts_fuse(
+    monkeypatch: pytest.MonkeyPatch, generation: str
+) -> None:
+    cpu = torch.device("cpu")
+    assert select.fuses_shared_experts("reference", WeightFormat.MXFP8, cpu)
+    assert select.fuses_shared_experts("auto", WeightFormat.MXFP8, cpu)  # no DeepGEMM here
+    install(monkeypatch, "sm100", generation=generation)
+    assert select.fuses_shared_experts("auto", WeightFormat.MXFP8, cpu) is (generation == NEW)
+    assert select.fuses_shared_experts("deepgemm", WeightFormat.BF16, cpu) is (generation == NEW)
+    monkeypatch.setattr(dg_backend, "_device_arch", lambda device: "sm90")
+    assert not select.fuses_shared_experts("deepgemm", WeightFormat.FP8_BLOCK, cpu)
+    with pytest.raises(ValueError, match="unknown experts backend 'triton'"):
+        select.fuses_shared_experts("triton", WeightFormat.BF16, cpu)

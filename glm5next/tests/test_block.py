@@ -339,3 +339,27 @@ def test_shared_expert_stored_differently_runs_separately(
         Glm5NextMegaMoeBlock(
             config, prefix=PREFIX, parallel=parallel, moe_format="mxfp8", fuse_shared=True
         )
+
+
+def test_shared_expert_runs_separately_where_the_backend_cannot_fuse_it(
+    glm_checkpoint: Checkpoint, parallel: ParallelSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """E.g. DeepGEMM 0.1.4.post1 on SM100, whose kernels take no shared experts."""
+    import megamoe.glm5next.block as block_module
+
+    asked = []
+
+    def fuses(backend: str, run_format: WeightFormat, device: torch.device) -> bool:
+        asked.append((backend, run_format, torch.device(device).type))
+        return False
+
+    monkeypatch.setattr(block_module, "fuses_shared_experts", fuses)
+    config = _config(glm_checkpoint)
+    block = Glm5NextMegaMoeBlock(config, prefix=PREFIX, parallel=parallel, moe_format="mxfp8")
+    assert asked == [("auto", MX, "cpu")]
+    assert not block.fused_shared and block.experts.num_shared_experts == 0
+    assert block.shared_experts is not None
+    with pytest.raises(NotImplementedError, match=r"the auto experts backend cannot fuse it"):
+        Glm5NextMegaMoeBlock(
+            config, prefix=PREFIX, parallel=parallel, moe_format="mxfp8", fuse_shared=True
+        )

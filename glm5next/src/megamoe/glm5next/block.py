@@ -9,7 +9,14 @@ from typing import Any, Unpack
 import torch
 
 from megamoe.core.adapters import MoEBlock
-from megamoe.core.block_setup import EXPERTS, BlockOptions, check_hidden_states, plan_experts
+from megamoe.core.backends.select import fuses_shared_experts
+from megamoe.core.block_setup import (
+    EXPERTS,
+    BlockOptions,
+    ExpertPlan,
+    check_hidden_states,
+    plan_experts,
+)
 from megamoe.core.dense_update import DenseUpdate, discard_on_error
 from megamoe.core.errors import IncompleteShardsError, MissingExpertsError
 from megamoe.core.formats import WeightFormat
@@ -104,9 +111,7 @@ class Glm5NextMegaMoeBlock(MoEBlock):
             if cfg.n_shared_experts
             else None
         )
-        self.fused_shared = self._fuses_shared(
-            fuse_shared, plan.checkpoint_format, shared_format, plan.run_format
-        )
+        self.fused_shared = self._fuses_shared(fuse_shared, plan, shared_format)
         logger.debug(
             "%s: shared expert %s",
             prefix,
@@ -133,15 +138,12 @@ class Glm5NextMegaMoeBlock(MoEBlock):
         self._dense = DenseUpdate(prefix)
 
     def _fuses_shared(
-        self,
-        requested: bool | None,
-        checkpoint_format: WeightFormat,
-        shared_format: WeightFormat | None,
-        run_format: WeightFormat,
+        self, requested: bool | None, plan: ExpertPlan, shared_format: WeightFormat | None
     ) -> bool:
         """Whether the shared expert runs inside the kernel (see the class docstring)."""
         if shared_format is None or requested is False:
             return False
+        run_format, checkpoint_format = plan.run_format, plan.checkpoint_format
         why_not = None
         if run_format not in FUSABLE_RUN_FORMATS:
             why_not = f"the {run_format.value} kernel (Hopper) has no shared-expert slot"
@@ -149,6 +151,11 @@ class Glm5NextMegaMoeBlock(MoEBlock):
             why_not = (
                 f"the shared expert is stored as {shared_format.value} but the routed experts "
                 f"as {checkpoint_format.value}"
+            )
+        elif not fuses_shared_experts(plan.backend, run_format, plan.device):
+            why_not = (
+                f"the {plan.backend} experts backend cannot fuse it here (DeepGEMM's SM100 "
+                "kernels take shared experts from sgl-deep-gemm 0.2.5)"
             )
         if why_not is not None and requested:
             raise NotImplementedError(

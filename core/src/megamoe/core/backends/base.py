@@ -37,6 +37,16 @@ class ExpertsBackend(abc.ABC):
     def unsupported_reason(cls, run_format: WeightFormat, device: torch.device) -> str | None:
         """Why this backend cannot run ``run_format`` on ``device``; None when it can."""
 
+    @classmethod
+    def fuses_shared_experts(cls, run_format: WeightFormat, device: torch.device) -> bool:
+        """Whether this backend runs experts built with ``num_shared_experts > 0`` here.
+
+        Asked before a block builds its experts, to fuse a shared expert only where it
+        runs. The default is no.
+        """
+        del run_format, device
+        return False
+
     def check_layer(self, experts: MegaMoEExperts) -> None:
         """Refuse layer sizes or settings this backend cannot run.
 

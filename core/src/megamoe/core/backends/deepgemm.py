@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import inspect
 from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -39,6 +38,7 @@ from megamoe.core.backends.deepgemm_layout import (
     KIND_SM90,
     L1_ROW_ORDER,
     KernelLayout,
+    takes,
     transform_expert,
 )
 from megamoe.core.backends.symm_buffer import (
@@ -97,6 +97,13 @@ REQUIRED_API: dict[str, tuple[str, ...]] = {
 FP8XFP8_MARKER = "num_shared_experts"
 # Keyword of the MegaMoE entry points that clamps the SwiGLU inputs (GLM's swiglu_limit).
 CLAMP_KEYWORD = "activation_clamp"
+# sgl-deep-gemm 0.2.5's SM100 entry points take fused shared experts' weights
+# (``shared_l1_weights`` / ``shared_l2_weights``, laid out as the routed experts'), for a
+# buffer built with ``num_shared_experts``; 0.1.4.post1's take none.
+SHARED_KEYWORDS = ("shared_l1_weights", "shared_l2_weights")
+# 0.2.5's fp8_mega_moe takes an upper bound of every rank's tokens in this call, to pick
+# its schedule by the call instead of by the buffer capacity.
+BOUND_KEYWORD = "num_tokens_bound"
 KERNEL_FUNCTIONS = {
     KIND_SM90: "fp8_mega_moe",
     KIND_FP8XFP4: "fp8_fp4_mega_moe",
@@ -125,24 +132,26 @@ def load_deep_gemm() -> ModuleType:
         ) from exc
 
 
-def _takes(fn: Any, parameter: str) -> bool:
-    """Whether callable ``fn`` accepts a keyword ``parameter``."""
-    try:
-        return parameter in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def missing_api(module: ModuleType, kind: str) -> list[str]:
     """Names of what ``module`` lacks for kernel ``kind`` (empty when it has everything)."""
     missing = [n for n in REQUIRED_API[kind] if not callable(getattr(module, n, None))]
     if (
         kind == KIND_FP8XFP8
         and not missing
-        and not _takes(module.get_symm_buffer_for_mega_moe, FP8XFP8_MARKER)
+        and not takes(module.get_symm_buffer_for_mega_moe, FP8XFP8_MARKER)
     ):
         missing.append(f"{_BUFFER_FN}(mma_type='fp8xfp8') (no {FP8XFP8_MARKER} parameter)")
     return missing
+
+
+def fuses_shared(module: ModuleType, kind: str) -> bool:
+    """Whether ``module``'s kernel of ``kind`` runs fused shared experts."""
+    kernel = getattr(module, KERNEL_FUNCTIONS[kind], None)
+    return (
+        kind != KIND_SM90
+        and all(takes(kernel, keyword) for keyword in SHARED_KEYWORDS)
+        and takes(getattr(module, _BUFFER_FN, None), FP8XFP8_MARKER)
+    )
 
 
 def supported_kinds(module: ModuleType) -> frozenset[str]:
@@ -201,16 +210,19 @@ class DeepGemmBackend(ExpertsBackend):
     Every rank of the expert-parallel group must call ``forward`` for each layer (the kernel
     exchanges tokens between ranks). With ``process_group=None`` the layer runs on one rank
     over a one-rank group; see ``symm_buffer.resolve_group`` for how that group is found or
-    created. Fused shared experts are not supported: run the shared expert as a separate
-    MLP (``megamoe.core.shared_expert.SwiGLUMLP``).
+    created. Fused shared experts run inside the kernel where the installed DeepGEMM's SM100
+    entry points take them (sgl-deep-gemm 0.2.5: ``shared_l1_weights``); elsewhere run the
+    shared expert as a separate MLP (``megamoe.core.shared_expert.SwiGLUMLP``).
     """
 
     name: ClassVar[str] = "deepgemm"
 
     def __init__(self) -> None:
         self._layout: KernelLayout | None = None
+        self._shared_layout: KernelLayout | None = None
         self._entry: SymmBufferEntry | None = None
         self._kernel: tuple[ModuleType, str] | None = None
+        self._bound_tokens = False  # pass num_tokens_bound (0.2.5's fp8_mega_moe, one rank)
 
     @classmethod
     def unsupported_reason(cls, run_format: WeightFormat, device: torch.device) -> str | None:
@@ -221,10 +233,22 @@ class DeepGemmBackend(ExpertsBackend):
             return str(exc)
         return None
 
+    @classmethod
+    def fuses_shared_experts(cls, run_format: WeightFormat, device: torch.device) -> bool:
+        """Whether the installed DeepGEMM's kernel for ``run_format`` here fuses shared experts."""
+        try:
+            module, kind = resolve_kernel(run_format, device)
+        except (CapabilityError, ImportError):
+            return False
+        return fuses_shared(module, kind)
+
     @property
     def kernel_weights(self) -> dict[str, torch.Tensor]:
         """The tensors the kernel reads, by name (empty before the first ``prepare``)."""
-        return {} if self._layout is None else self._layout.named()
+        named = {} if self._layout is None else self._layout.named("deepgemm")
+        if self._shared_layout is not None:
+            named |= self._shared_layout.named("deepgemm shared")
+        return named
 
     @property
     def symm_buffer(self) -> SymmBufferEntry | None:
@@ -237,7 +261,7 @@ class DeepGemmBackend(ExpertsBackend):
         Raises:
             CapabilityError: no kernel for the format here, a missing DeepGEMM function,
                 a kernel that cannot clamp SwiGLU for experts with a ``swiglu_limit``, or
-                fused shared experts.
+                fused shared experts where the kernel takes none.
             ImportError: ``deep_gemm`` does not import.
             ValueError: an intermediate size beyond the Hopper kernel's limit, or
                 ``process_group=None`` while several ranks run.
@@ -245,7 +269,7 @@ class DeepGemmBackend(ExpertsBackend):
         module, kind = resolve_kernel(experts.weight_format, experts.device)
         label = experts.layout.label
         kernel_fn = KERNEL_FUNCTIONS[kind]
-        if experts.swiglu_limit is not None and not _takes(
+        if experts.swiglu_limit is not None and not takes(
             getattr(module, kernel_fn), CLAMP_KEYWORD
         ):
             raise CapabilityError(
@@ -254,10 +278,11 @@ class DeepGemmBackend(ExpertsBackend):
                 f"without the clamp would be wrong: pip install {PIP_PACKAGE} (a build whose "
                 "MegaMoE kernels take activation_clamp) or use backend='reference'"
             )
-        if experts.num_shared_experts:
+        if experts.num_shared_experts and not fuses_shared(module, kind):
             raise CapabilityError(
-                f"{label}: the DeepGEMM backend does not fuse shared experts "
-                f"(num_shared_experts={experts.num_shared_experts}); build the layer with "
+                f"{label}: num_shared_experts={experts.num_shared_experts}, but the installed "
+                f"deep_gemm.{kernel_fn} takes no {SHARED_KEYWORDS[0]} (the {kind} kernel "
+                "fuses shared experts from sgl-deep-gemm 0.2.5 on SM100); build the layer with "
                 "num_shared_experts=0 and run the shared expert as a separate MLP "
                 "(megamoe.core.shared_expert.SwiGLUMLP), or use backend='reference'"
             )
@@ -288,37 +313,41 @@ class DeepGemmBackend(ExpertsBackend):
         """
         self.check_layer(experts)
         module, kind = resolve_kernel(experts.weight_format, experts.device)
+        routed_count, shared_count = experts.num_local_experts, experts.num_shared_experts
         slots = sorted(set(local_ids))
-        if self._layout is None and slots != list(range(experts.num_local_experts)):
+        if self._layout is None and slots != list(range(routed_count + shared_count)):
             raise ValueError(
                 f"{experts.layout.label}: the first prepare() must cover all "
-                f"{experts.num_local_experts} local experts, got {len(slots)}"
+                f"{routed_count} local experts and {shared_count} shared ones, got {len(slots)}"
             )
         with _on_device(experts.device):
             self._entry = self._buffer(module, kind, experts)
-            for slot in slots:
-                pieces, canonical = transform_expert(module, kind, experts, slot)
-                if self._layout is None:
-                    self._layout = KernelLayout.allocate(
-                        pieces, canonical, experts.num_local_experts, experts.kernel_tag
-                    )
-                self._layout.write(slot, pieces, canonical)
+            routed = [s for s in slots if s < routed_count]
+            shared = [s for s in slots if s >= routed_count]
+            self._layout = _write_slots(module, kind, experts, routed, self._layout, 0)
+            self._shared_layout = _write_slots(
+                module, kind, experts, shared, self._shared_layout, routed_count
+            )
         self._kernel = (module, kind)
+        one_rank = self._entry.key.group.size() == 1  # type: ignore[attr-defined]
+        self._bound_tokens = (
+            kind == KIND_SM90 and one_rank and takes(module.fp8_mega_moe, BOUND_KEYWORD)
+        )
 
     def _buffer(self, module: ModuleType, kind: str, experts: MegaMoEExperts) -> SymmBufferEntry:
         """The cached symmetric buffer for this layer's shape and kind."""
         group = resolve_group(experts.process_group, experts.device)
         h, i = experts.hidden_size, experts.intermediate_size
         sizes = (experts.num_experts, experts.max_num_tokens, experts.top_k, h, i)
-        key = BufferKey(group, experts.device, *sizes, kind)
+        key = BufferKey(group, experts.device, *sizes, kind, experts.num_shared_experts)
         args = (group, *sizes)
 
         def allocate() -> Any:
             if kind == KIND_SM90:
                 return module.get_symm_buffer_for_mega_moe(*args)
             kwargs: dict[str, Any] = {"mma_type": kind}
-            if _takes(module.get_symm_buffer_for_mega_moe, FP8XFP8_MARKER):
-                kwargs[FP8XFP8_MARKER] = 0
+            if takes(module.get_symm_buffer_for_mega_moe, FP8XFP8_MARKER):
+                kwargs[FP8XFP8_MARKER] = experts.num_shared_experts  # 0 unless fused
             try:
                 return module.get_symm_buffer_for_mega_moe(*args, **kwargs)
             except (AssertionError, ValueError, NotImplementedError) as exc:
@@ -358,10 +387,11 @@ class DeepGemmBackend(ExpertsBackend):
                 f"{experts.max_num_tokens}) when building the layer, or split the batch"
             )
         check_tags(experts.kernel_tag.buffer_tag, {"symmetric buffer": entry.buffer}, label)
-        check_tags(experts.kernel_tag, self._layout.named(), label)
+        check_tags(experts.kernel_tag, self.kernel_weights, label)
         l1w, l1s, l2w, l2s = self._layout.pieces
         buf = entry.buffer
         clamp = {CLAMP_KEYWORD: experts.swiglu_limit} if experts.swiglu_limit is not None else {}
+        shared = {} if self._shared_layout is None else _shared_weights(kind, self._shared_layout)
         with _on_device(experts.device):
             x = hidden_states.contiguous()
             weights = topk_weights.to(torch.float32).contiguous()
@@ -370,7 +400,8 @@ class DeepGemmBackend(ExpertsBackend):
                 ids = topk_ids.to(torch.int32).contiguous()
                 staged = (buf.x, buf.x_sf, buf.topk_idx, buf.topk_weights)
                 module.mega_moe_pre_dispatch_sm90(x, ids, weights, *staged, tokens)
-                module.fp8_mega_moe(y, (l1w, l1s), (l2w, l2s), buf, **clamp)
+                bound = {BOUND_KEYWORD: tokens} if self._bound_tokens else {}
+                module.fp8_mega_moe(y, (l1w, l1s), (l2w, l2s), buf, **clamp, **bound)
                 return y
             if kind == KIND_BF16:
                 buf.x[:tokens].copy_(x)
@@ -381,7 +412,37 @@ class DeepGemmBackend(ExpertsBackend):
             buf.topk_idx[:tokens].copy_(topk_ids)
             buf.topk_weights[:tokens].copy_(weights)
             if kind == KIND_BF16:
-                module.bf16_mega_moe(y, l1w, l2w, buf, **clamp)
+                module.bf16_mega_moe(y, l1w, l2w, buf, **clamp, **shared)
             else:
-                module.fp8_fp4_mega_moe(y, (l1w, l1s), (l2w, l2s), buf, **clamp)
+                module.fp8_fp4_mega_moe(y, (l1w, l1s), (l2w, l2s), buf, **clamp, **shared)
         return y
+
+
+def _write_slots(
+    module: ModuleType,
+    kind: str,
+    experts: MegaMoEExperts,
+    slots: Sequence[int],
+    layout: KernelLayout | None,
+    first_slot: int,
+) -> KernelLayout | None:
+    """Transform the experts at kernel ``slots`` into ``layout`` (allocated on first use).
+
+    ``first_slot`` is the kernel slot of the layout's expert 0 (the routed experts' layout
+    starts at 0, the fused shared experts' at ``num_local_experts``).
+    """
+    count = experts.num_shared_experts if first_slot else experts.num_local_experts
+    for slot in slots:
+        pieces, canonical = transform_expert(module, kind, experts, slot)
+        if layout is None:
+            layout = KernelLayout.allocate(pieces, canonical, count, experts.kernel_tag)
+        layout.write(slot - first_slot, pieces, canonical)
+    return layout
+
+
+def _shared_weights(kind: str, layout: KernelLayout) -> dict[str, Any]:
+    """The fused shared experts' kernel arguments (``SHARED_KEYWORDS``) from their layout."""
+    l1w, l1s, l2w, l2s = layout.pieces
+    if kind == KIND_BF16:
+        return dict(zip(SHARED_KEYWORDS, (l1w, l2w), strict=True))
+    return dict(zip(SHARED_KEYWORDS, ((l1w, l1s), (l2w, l2s)), strict=True))

@@ -16,8 +16,9 @@ captured by CUDA graphs stay valid).
 
 from __future__ import annotations
 
+import inspect
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,13 +37,30 @@ UE8M0_SHIFT = 23  # a UE8M0 exponent is the float32 exponent field: bits 23..30
 PIECES = ("l1_weight", "l1_scale", "l2_weight", "l2_scale")
 L1_ROW_ORDER = L1RowOrder(group=8)  # gate/up rows as every MegaMoE kernel reads them
 
+
+def takes(fn: Any, parameter: str) -> bool:
+    """Whether callable ``fn`` accepts a keyword ``parameter`` (how API generations differ)."""
+    try:
+        return parameter in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 Pieces = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
 
-def _stored(experts: MegaMoEExperts) -> Pieces:
-    """The experts' (w13, w13 scale, w2, w2 scale), None where a format has none."""
+ROUTED_TENSORS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
+SHARED_TENSORS = (
+    "shared_l1_weight",
+    "shared_l1_weight_scale",
+    "shared_l2_weight",
+    "shared_l2_weight_scale",
+)
+
+
+def _stored(experts: MegaMoEExperts, names: tuple[str, ...]) -> Pieces:
+    """The experts' (l1, l1 scale, l2, l2 scale) of ``names``, None where a format has none."""
     params = experts.kernel_params
-    names = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
     found = [params[n].data if n in params else None for n in names]
     return found[0], found[1], found[2], found[3]
 
@@ -57,13 +75,14 @@ def _require(tensor: torch.Tensor | None, what: str) -> torch.Tensor:
 def transform_expert(
     module: ModuleType, kind: str, experts: MegaMoEExperts, slot: int
 ) -> tuple[Pieces, Pieces]:
-    """DeepGEMM's layout of one local expert.
+    """DeepGEMM's layout of one local expert (routed, or a fused shared one).
 
     Args:
         module: the ``deep_gemm`` module.
         kind: the kernel kind.
         experts: the experts module (canonical tensors).
-        slot: the local expert.
+        slot: the kernel slot: a routed expert ``0 .. num_local_experts - 1``, then the
+            fused shared experts (``shared_l1_weight`` ... at ``slot - num_local_experts``).
 
     Returns:
         ``(pieces, stored)``: the expert's (l1 weight, l1 scale, l2 weight, l2 scale) in
@@ -73,8 +92,11 @@ def transform_expert(
     Raises:
         RuntimeError: DeepGEMM's l1 weight layout differs from the stored row order.
     """
-    w13, s13, w2, s2 = _stored(experts)
-    w13, w2 = _require(w13, "w13_weight"), _require(w2, "w2_weight")
+    shared = slot >= experts.num_local_experts
+    names = SHARED_TENSORS if shared else ROUTED_TENSORS
+    slot -= experts.num_local_experts if shared else 0
+    w13, s13, w2, s2 = _stored(experts, names)
+    w13, w2 = _require(w13, names[0]), _require(w2, names[2])
     if experts.l1_order != L1_ROW_ORDER:
         raise RuntimeError(
             f"{experts.layout.label}: w13 is stored in {experts.l1_order}, not the order the "
@@ -85,19 +107,21 @@ def transform_expert(
     one = slice(slot, slot + 1)
     l1 = L1_ROW_ORDER.to_canonical(w13[one])  # one expert's temporary, [gate | up]
     if kind == KIND_SM90:
-        s13, s2 = _require(s13, "w13_weight_scale"), _require(s2, "w2_weight_scale")
+        s13, s2 = _require(s13, names[1]), _require(s2, names[3])
         (a, b), (c, d) = module.transform_weights_for_mega_moe_sm90(
             (l1, s13[one]), (w2[one], s2[one])
         )
         return (_as_stored(a, w13[one], experts, slot), b, c, d), (w13, s13, w2, s2)
+    # 0.2.5 takes the buffer's mma_type (the FP4-activation kinds interleave differently).
+    mma = {"mma_type": kind} if takes(module.transform_weights_for_mega_moe, "mma_type") else {}
     if kind == KIND_BF16:
-        a, c = module.transform_weights_for_mega_moe(l1, w2[one])
+        a, c = module.transform_weights_for_mega_moe(l1, w2[one], **mma)
         return (_as_stored(a, w13[one], experts, slot), None, c, None), (w13, None, w2, None)
-    s13, s2 = _require(s13, "w13_weight_scale"), _require(s2, "w2_weight_scale")
+    s13, s2 = _require(s13, names[1]), _require(s2, names[3])
     h, i = experts.hidden_size, experts.intermediate_size
     sf13 = sm100_scale(module, s13[one], 2 * i, h)
     sf2 = sm100_scale(module, s2[one], h, i)
-    (a, b), (c, d) = module.transform_weights_for_mega_moe((l1, sf13), (w2[one], sf2))
+    (a, b), (c, d) = module.transform_weights_for_mega_moe((l1, sf13), (w2[one], sf2), **mma)
     return (_as_stored(a, w13[one], experts, slot), b, c, d), (w13, None, w2, None)
 
 
@@ -211,10 +235,10 @@ class KernelLayout:
                 continue
             target[slot].copy_(piece[0])
 
-    def named(self) -> dict[str, torch.Tensor]:
-        """The kernel tensors by name (for tag checks and inspection)."""
+    def named(self, prefix: str) -> dict[str, torch.Tensor]:
+        """The kernel tensors by ``prefix`` and piece name (for tag checks and inspection)."""
         return {
-            f"deepgemm {name}": t
+            f"{prefix} {name}": t
             for name, t in zip(PIECES, self.pieces, strict=True)
             if t is not None
         }

@@ -123,6 +123,11 @@ class ReferenceBackend(ExpertsBackend):
         """The reference runs every format on every device: always None."""
         return None
 
+    @classmethod
+    def fuses_shared_experts(cls, run_format: WeightFormat, device: torch.device) -> bool:
+        """Fused shared experts run with every format on every device: always True."""
+        return True
+
     def prepare(self, experts: MegaMoEExperts, local_ids: Sequence[int]) -> None:
         """Nothing to lay out (weights are dequantized per forward); records the format tag."""
         tag(self, experts.kernel_tag)

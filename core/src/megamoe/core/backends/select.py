@@ -54,6 +54,29 @@ def _reason(name: str, run_format: WeightFormat, device: torch.device) -> str | 
     return cls.unsupported_reason(run_format, device)
 
 
+def _auto_choice(fmt: WeightFormat, device: torch.device) -> tuple[str, str | None]:
+    """What ``"auto"`` picks for ``fmt`` on ``device``, and why DeepGEMM cannot (or None)."""
+    reason = _reason("deepgemm", fmt, device)
+    return ("reference" if reason is not None else "deepgemm"), reason
+
+
+def fuses_shared_experts(
+    name: str, run_format: WeightFormat | str, device: torch.device | str | None
+) -> bool:
+    """Whether the backend ``resolve_backend`` would give runs fused shared experts.
+
+    Asks the class (``ExpertsBackend.fuses_shared_experts``); nothing is instantiated or
+    logged.
+
+    Raises:
+        ValueError: an unknown backend name.
+    """
+    fmt = WeightFormat.parse(run_format)
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    chosen = _auto_choice(fmt, dev)[0] if name == AUTO else name
+    return backend_class(chosen).fuses_shared_experts(fmt, dev)
+
+
 def resolve_backend(
     name: str, run_format: WeightFormat | str, device: torch.device | str | None
 ) -> ExpertsBackend:
@@ -80,8 +103,7 @@ def resolve_backend(
     fmt = WeightFormat.parse(run_format)
     dev = torch.device("cpu") if device is None else torch.device(device)
     if name == AUTO:
-        reason = _reason("deepgemm", fmt, dev)
-        chosen = "reference" if reason is not None else "deepgemm"
+        chosen, reason = _auto_choice(fmt, dev)
         key = (chosen, fmt, dev.type)
         if key not in _logged:
             _logged.add(key)

@@ -38,6 +38,8 @@ class BufferKey:
         intermediate_size: I.
         kind: the DeepGEMM kernel kind (``sm90_fp8``, ``fp8xfp4``, ``fp8xfp8``,
             ``bf16xbf16``).
+        num_shared_experts: shared experts fused into the kernel (the buffer holds their
+            activations).
     """
 
     group: object
@@ -48,6 +50,7 @@ class BufferKey:
     hidden_size: int
     intermediate_size: int
     kind: str
+    num_shared_experts: int = 0
 
 
 @dataclass
