@@ -17,8 +17,12 @@ per 64 columns), so the second layer's selection scores differ from BF16's by mo
 most routing margins: ``away_from_ties`` keeps no prompt at 32 experts, top-8 (measured
 on the H200: scores 0.042 apart, margins mostly below 0.02). So the prompts compared are
 those both runs route alike at every layer and position (``same_routing``; the first
-layer's inputs are equal, so only later layers can differ), and for generation also those
-whose eager top-2 logit gap is at least twice the largest logit difference of the forward.
+layer's inputs are equal, so only later layers can differ). Generation: the kernel's model
+generates greedily and eager scores the same sequences; on those routed alike most
+generated tokens must be eager's best and 95% within twice the forward's largest logit
+difference of it. (Identical tokens, as on the CPU, cannot be asked:
+these random models' top-2 logit gaps, at most about 0.1, are smaller than the logit
+differences FP8 activations cause, 0.1-0.25, so no prompt is away from top-2 ties.)
 Short prompts keep the number of routing choices per prompt low.
 """
 
@@ -61,6 +65,11 @@ KERNEL_SIZES = {  # the sizes tests/test_gpu_deepgemm.py runs the kernel at
 # prompts routed alike: 0.051..0.070 (Qwen4-Exp), 0.053..0.078 (GLM-5.3-Flash).
 LOGITS_TOL = 0.1
 PROMPTS, GENERATION_PROMPTS, PROMPT_LEN, NEW_TOKENS = 64, 512, 2, 8
+# Share of generated steps where the kernel's token is eager's own best (measured on the
+# H200: 0.882 Qwen4-Exp, 0.888 GLM-5.3-Flash; these models with their experts' output
+# doubled agree on 0.46 and 0.64 of the steps, measured on the CPU), and the share of steps
+# within twice the largest logit difference of it.
+AGREEING_STEPS, NEAR_STEPS = 0.8, 0.95
 MIN_PROMPTS = 3
 
 
@@ -85,7 +94,6 @@ def test_block_fp8_model_on_the_kernel_matches_eager(tmp_path: Path, family: str
     _kernel_or_skip()
     from model_agreement import (
         TWO_MOE_LAYERS,
-        away_from_ties,
         candidate_prompts,
         greedy,
         logits_error,
@@ -134,19 +142,27 @@ def test_block_fp8_model_on_the_kernel_matches_eager(tmp_path: Path, family: str
         assert experts.checkpoint_format is experts.weight_format is WeightFormat.FP8_BLOCK
         assert experts.swiglu_limit == (SWIGLU_LIMIT if family == "glm5_next" else None)
 
-    reference = greedy(
-        eager, candidate_prompts(GENERATION_PROMPTS, PROMPT_LEN, vocab, 2), NEW_TOKENS
+    # Generation: the kernel's model generates; eager scores every step of the same
+    # sequences. On those routed alike most generated tokens must be eager's own best, and
+    # nearly all within twice the forward's largest logit difference of it: near-tied steps
+    # may pick either token, and a choice elsewhere (the indexer's top-k keys, routing in
+    # a cached decode step) may flip too, so the largest shortfall is not bounded.
+    generated = greedy(
+        ours, candidate_prompts(GENERATION_PROMPTS, PROMPT_LEN, vocab, 2), NEW_TOKENS
     )
-    alike = same_routing(tiny, eager, ours, reference.sequences)
-    rows = away_from_ties(
-        torch.where(alike, reference.top2_margins, -1.0),
-        2 * logit_gap,
-        MIN_PROMPTS,
-        "top-2 logit (among prompts routed alike)",
-    )
-    generated = greedy(ours, reference.sequences[rows, :PROMPT_LEN], NEW_TOKENS)
+    alike = same_routing(tiny, eager, ours, generated.sequences).nonzero().flatten()
+    assert alike.numel() >= MIN_PROMPTS, f"{alike.numel()} generations routed alike"
+    sequences = generated.sequences[alike]
+    with torch.no_grad():
+        scores = eager(sequences.cuda()).logits[:, PROMPT_LEN - 1 : -1].float().cpu()
+    tokens = generated.tokens[alike]
+    shortfall = scores.amax(-1) - scores.gather(-1, tokens[..., None]).squeeze(-1)
     print(
-        f"[transformers gpu {family}] {int(alike.sum())} of {GENERATION_PROMPTS} generations "
-        f"routed alike, {rows.numel()} of them away from top-2 ties, {NEW_TOKENS} tokens each"
+        f"[transformers gpu {family}] {alike.numel()} of {GENERATION_PROMPTS} generations "
+        f"routed alike, {NEW_TOKENS} tokens each: {float((shortfall == 0).float().mean()):.3f} "
+        f"of the steps eager's own choice, shortfall {NEAR_STEPS:.0%} quantile "
+        f"{float(shortfall.quantile(NEAR_STEPS)):.4f} (bound {2 * logit_gap:.4f}), largest "
+        f"{float(shortfall.max()):.4f}"
     )
-    assert torch.equal(generated.tokens, reference.tokens[rows])
+    assert float((shortfall == 0).float().mean()) >= AGREEING_STEPS
+    assert float(shortfall.quantile(NEAR_STEPS)) <= 2 * logit_gap
