@@ -109,7 +109,10 @@ def build(
     max_tokens: int = T,
     emulate: bool = False,
     swiglu_limit: float | None = None,
+    shared_seed: int | None = None,
 ) -> MegaMoEExperts:
+    """Experts of synthetic weights (``seed``), finalized; with ``shared_seed`` one fused
+    shared expert too, of that seed's weights."""
     experts = one_rank_experts(
         E,
         H,
@@ -123,9 +126,12 @@ def build(
         prefix=PREFIX,
         emulate_kernel=emulate,
         swiglu_limit=swiglu_limit,
+        num_shared_experts=0 if shared_seed is None else 1,
         reload_staging_bytes=STAGE_WHOLE_RELOAD,
     )
     experts.load_weights(synthetic_expert_tensors(fmt, E, H, INTER, seed=seed))
+    if shared_seed is not None:
+        load_shared(experts, fmt, shared_seed)
     experts.finalize()
     return experts
 
@@ -466,29 +472,6 @@ SM100_FORMATS = [WeightFormat.BF16, WeightFormat.MXFP8, WeightFormat.MXFP4]
 SHARDS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
-def build_with_shared(fmt: WeightFormat, backend: str, shared_seed: int = 2) -> MegaMoEExperts:
-    """``build``'s experts plus one fused shared expert (synthetic, ``shared_seed``)."""
-    experts = one_rank_experts(
-        E,
-        H,
-        INTER,
-        top_k=TOP_K,
-        weight_format=fmt,
-        checkpoint_format=fmt,
-        max_num_tokens=T,
-        backend=backend,
-        device="cpu",
-        prefix=PREFIX,
-        emulate_kernel=backend == "reference",
-        num_shared_experts=1,
-        reload_staging_bytes=STAGE_WHOLE_RELOAD,
-    )
-    experts.load_weights(synthetic_expert_tensors(fmt, E, H, INTER, seed=0))
-    load_shared(experts, fmt, shared_seed)
-    experts.finalize()
-    return experts
-
-
 def load_shared(experts: MegaMoEExperts, fmt: WeightFormat, seed: int) -> None:
     shared = dict(synthetic_expert_tensors(fmt, 1, H, INTER, seed=seed))
     for shard, proj in SHARDS.items():
@@ -505,15 +488,15 @@ def test_fused_shared_experts_where_the_api_takes_them(
     assert fuses is (generation == NEW)
     if generation == OLD:
         with pytest.raises(CapabilityError, match=r"_mega_moe takes no shared_l1_weights"):
-            build_with_shared(fmt, "deepgemm")
+            build(fmt, "deepgemm", shared_seed=2)
         return
-    experts = build_with_shared(fmt, "deepgemm")
+    experts = build(fmt, "deepgemm", shared_seed=2)
     entry = experts.backend.symm_buffer
     assert entry is not None and entry.key.num_shared_experts == 1
     assert fake.shared[id(entry.buffer)] == 1  # type: ignore[attr-defined]
     x, weights, ids = inputs()
     y = experts(x, weights, ids)
-    reference = build_with_shared(fmt, "reference")
+    reference = build(fmt, "reference", emulate=True, shared_seed=2)
     error = relative_error(y, reference(x, weights, ids))
     assert error <= EMULATION_TOL
     # The shared expert's share of the output (seen: 0.58-1.0; the emulation 0.002)
@@ -526,7 +509,7 @@ def test_fused_shared_experts_where_the_api_takes_them(
     load_shared(experts, fmt, seed=3)
     experts.finalize()
     assert {n: t.data_ptr() for n, t in experts.backend.kernel_weights.items()} == before
-    reloaded = build_with_shared(fmt, "reference", shared_seed=3)
+    reloaded = build(fmt, "reference", emulate=True, shared_seed=3)
     error = relative_error(experts(x, weights, ids), reloaded(x, weights, ids))
     assert error <= EMULATION_TOL
     assert relative_error(experts(x, weights, ids), y) > max(EMULATION_TOL, 10 * error)
