@@ -18,7 +18,12 @@ from typing import Any
 from mkdocs.structure.files import File, Files
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = {"megamoe.core": "core", "megamoe.qwen4exp": "qwen4exp", "megamoe.glm5next": "glm5next"}
+PACKAGES = {
+    "megamoe.core": "core",
+    "megamoe.transformers": "core",  # the optional transformers integration (its extra)
+    "megamoe.qwen4exp": "qwen4exp",
+    "megamoe.glm5next": "glm5next",
+}
 READMES = {
     "core": "core/README.md",
     "qwen4exp": "qwen4exp/README.md",
