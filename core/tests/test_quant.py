@@ -794,6 +794,9 @@ def test_warn_not_power_of_two_once(monkeypatch: Any) -> None:
     msg = str(record[0].message)
     assert "model.layers.3.mlp.experts" in msg and "not powers of two" in msg
     assert "changes the weights" in msg and 'moe_format="fp8_block"' in msg
+    assert "(MXFP8, 1x32)" in msg
+    with pytest.warns(UserWarning, match=r"\(MXFP4, 1x32\).* Pass --to fp8_block"):
+        quant.warn_not_power_of_two("layer", "--to fp8_block", WeightFormat.MXFP4)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert quant.warn_not_power_of_two("model.layers.4.mlp.experts") is False

@@ -418,7 +418,7 @@ def _convert_one(
         if src is WeightFormat.FP8_BLOCK:
             check_block_scales(scale, f"{proj.scale.file}: {proj.name}.{src.scale_name}")
         if src is WeightFormat.FP8_BLOCK and dst.is_mx and not quant.is_power_of_two(scale):
-            quant.warn_not_power_of_two(layer.prefix, option_hint="--to fp8_block")
+            quant.warn_not_power_of_two(layer.prefix, option_hint="--to fp8_block", target=dst)
     read = 0 if scale is None else scale.numel() * scale.element_size()
     if proj.global_scale is not None and scale is not None:  # NVFP4: apply the global scale
         kind, where = proj.global_scale

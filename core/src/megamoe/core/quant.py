@@ -526,12 +526,17 @@ def is_power_of_two(scale: Tensor) -> bool:
 _warned_not_power_of_two: set[str] = set()
 
 
-def warn_not_power_of_two(prefix: str, option_hint: str = 'moe_format="fp8_block"') -> bool:
+def warn_not_power_of_two(
+    prefix: str,
+    option_hint: str = 'moe_format="fp8_block"',
+    target: WeightFormat = WeightFormat.MXFP8,
+) -> bool:
     """Warn once per ``option_hint`` that rounding block scales to UE8M0 changes the weights.
 
     Args:
         prefix: where the scales were found (e.g. the layer prefix), named in the message.
         option_hint: the option that keeps block-FP8.
+        target: the MX format the weights are requantized to, named in the message.
 
     Returns:
         True when this call warned, False when the warning was already given.
@@ -541,7 +546,7 @@ def warn_not_power_of_two(prefix: str, option_hint: str = 'moe_format="fp8_block
     _warned_not_power_of_two.add(option_hint)
     warnings.warn(
         f"{prefix}: the block-FP8 scales are not powers of two, so rounding them to UE8M0 "
-        "(MXFP8, 1x32) changes the weights slightly. Pass "
+        f"({target.value.upper()}, 1x32) changes the weights slightly. Pass "
         f"{option_hint} to keep block-FP8 (runs on Hopper and on the reference backend).",
         UserWarning,
         stacklevel=2,

@@ -157,7 +157,9 @@ class Glm5NextMegaMoEExperts(MegaMoEExperts):
             return
         if self._serving:
             if not quant.is_power_of_two(parts[BLOCK_SCALE]):
-                quant.warn_not_power_of_two(self.layout.label, KEEP_BLOCK_FP8_HINT)
+                quant.warn_not_power_of_two(
+                    self.layout.label, KEEP_BLOCK_FP8_HINT, self.weight_format
+                )
             super()._on_shard_complete(key, parts)
             return
         slot, shard_id = key
@@ -279,7 +281,9 @@ class Glm5NextMegaMoEExperts(MegaMoEExperts):
                 )
                 src_scale = torch.stack([block_scale[index, b0:b1] for _, index, _ in part])
                 if not quant.is_power_of_two(src_scale):
-                    quant.warn_not_power_of_two(self.layout.label, KEEP_BLOCK_FP8_HINT)
+                    quant.warn_not_power_of_two(
+                        self.layout.label, KEEP_BLOCK_FP8_HINT, self.weight_format
+                    )
                 new_weight, new_scale = quant.requantize(
                     src_weight,
                     src_scale,
