@@ -83,14 +83,7 @@ def build(name: str) -> Glm5NextRouter:
 
 def measure(name: str, router: Glm5NextRouter, count: int, args: argparse.Namespace) -> dict:
     """One table row: the router's paths and parts at ``count`` tokens."""
-    cfg = router.config
-    route: dict[str, Any] = {
-        "top_k": cfg.num_experts_per_tok,
-        "n_group": cfg.n_group,
-        "topk_group": cfg.topk_group,
-        "norm_topk_prob": cfg.norm_topk_prob,
-        "routed_scaling_factor": cfg.routed_scaling_factor,
-    }
+    cfg, route = router.config, router.routing
     gen = torch.Generator(device="cuda").manual_seed(count)
     x = torch.randn(count, cfg.hidden_size, device="cuda", generator=gen).bfloat16()
     weight, bias = router.weight, router.e_score_correction_bias

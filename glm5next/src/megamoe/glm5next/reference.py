@@ -18,7 +18,7 @@ from megamoe.core.formats import WeightFormat
 from megamoe.core.quant_config import detect_expert_format
 from megamoe.core.swiglu import swiglu
 from megamoe.glm5next.config import Glm5NextConfig
-from megamoe.glm5next.router import grouped_topk
+from megamoe.glm5next.router import grouped_topk, routing_of
 
 if TYPE_CHECKING:
     from megamoe.core.adapters import MoELayer
@@ -60,15 +60,7 @@ def reference_forward(
     block = cfg.weight_block_size
     router = reader.get_tensor(f"{prefix}.gate.weight").double()
     bias = reader.get_tensor(f"{prefix}.gate.e_score_correction_bias").double()
-    topk_weights, topk_ids = grouped_topk(
-        torch.sigmoid(x @ router.T),
-        bias,
-        top_k=cfg.num_experts_per_tok,
-        n_group=cfg.n_group,
-        topk_group=cfg.topk_group,
-        norm_topk_prob=cfg.norm_topk_prob,
-        routed_scaling_factor=cfg.routed_scaling_factor,
-    )
+    topk_weights, topk_ids = grouped_topk(torch.sigmoid(x @ router.T), bias, **routing_of(cfg))
     fmt = detect_expert_format(
         cfg.quantization_config, f"{prefix}.experts", num_experts=cfg.n_routed_experts
     )

@@ -14,6 +14,7 @@ on the CPU and wherever Triton is missing, and one Triton kernel per call on CUD
 from __future__ import annotations
 
 import importlib.util
+from typing import TypedDict, Unpack
 
 import torch
 
@@ -22,6 +23,35 @@ from megamoe.glm5next.config import ROUTER_TOP2, Glm5NextConfig
 NORM_EPS = 1e-20  # added to the renormalization's denominator, as the model does
 # CUDA installs of torch ship Triton; CPU-only ones do not (then the torch path runs).
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+
+
+class GroupedRouting(TypedDict):
+    """The settings of :func:`grouped_topk` beyond its tensors (:func:`routing_of` a model's).
+
+    Attributes:
+        top_k: experts per token.
+        n_group: router groups (E must be a multiple).
+        topk_group: groups kept per token.
+        norm_topk_prob: renormalize the chosen weights.
+        routed_scaling_factor: weight multiplier.
+    """
+
+    top_k: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+
+
+def routing_of(config: Glm5NextConfig) -> GroupedRouting:
+    """The model's routing settings, as :func:`grouped_topk` and :func:`route_logits` take them."""
+    return GroupedRouting(
+        top_k=config.num_experts_per_tok,
+        n_group=config.n_group,
+        topk_group=config.topk_group,
+        norm_topk_prob=config.norm_topk_prob,
+        routed_scaling_factor=config.routed_scaling_factor,
+    )
 
 
 def _top_indices(values: torch.Tensor, k: int) -> torch.Tensor:
@@ -131,26 +161,18 @@ def route_logits(
     logits: torch.Tensor,
     correction_bias: torch.Tensor,
     *,
-    top_k: int,
-    n_group: int,
-    topk_group: int,
-    norm_topk_prob: bool,
-    routed_scaling_factor: float,
     use_triton: bool | None = None,
+    **routing: Unpack[GroupedRouting],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid scores of float32 ``logits``, then :func:`grouped_topk`, on either path.
 
     Args:
         logits: (tokens, E) float32 router logits.
         correction_bias: (E,) float32 selection bias, on the logits' device.
-        top_k: experts per token.
-        n_group: router groups.
-        topk_group: groups kept per token.
-        norm_topk_prob: renormalize the chosen weights.
-        routed_scaling_factor: weight multiplier.
         use_triton: None takes the Triton kernel for CUDA logits when Triton imports and
             the kernel covers the shape (``router_triton.triton_covers``), the torch path
             otherwise; True demands the kernel; False runs the torch path.
+        **routing: the :class:`GroupedRouting` settings (``routing_of(config)``).
 
     Returns:
         ``(topk_weights float32, topk_ids int32)``, each (tokens, top_k), in decreasing
@@ -163,31 +185,15 @@ def route_logits(
     if use_triton is not False and logits.is_cuda and TRITON_AVAILABLE:
         from megamoe.glm5next.router_triton import grouped_topk_triton, triton_covers
 
-        if use_triton or triton_covers(logits.shape[-1], top_k, n_group):
-            return grouped_topk_triton(
-                logits,
-                correction_bias,
-                top_k=top_k,
-                n_group=n_group,
-                topk_group=topk_group,
-                norm_topk_prob=norm_topk_prob,
-                routed_scaling_factor=routed_scaling_factor,
-            )
+        if use_triton or triton_covers(logits.shape[-1], routing["top_k"], routing["n_group"]):
+            return grouped_topk_triton(logits, correction_bias, **routing)
     elif use_triton:
         raise ValueError(
             f"router: use_triton=True needs CUDA logits and Triton; got logits on "
             f"{logits.device} with Triton {'present' if TRITON_AVAILABLE else 'missing'} "
             "(pip install triton, or use_triton=None to fall back to torch)"
         )
-    topk_weights, topk_ids = grouped_topk(
-        torch.sigmoid(logits),
-        correction_bias,
-        top_k=top_k,
-        n_group=n_group,
-        topk_group=topk_group,
-        norm_topk_prob=norm_topk_prob,
-        routed_scaling_factor=routed_scaling_factor,
-    )
+    topk_weights, topk_ids = grouped_topk(torch.sigmoid(logits), correction_bias, **routing)
     return topk_weights, topk_ids.to(torch.int32)
 
 
@@ -198,6 +204,7 @@ class Glm5NextRouter(torch.nn.Module):
         weight: (E, H) float32 router weight (``gate.weight``; bf16 in checkpoints is
             widened exactly).
         e_score_correction_bias: (E,) float32 selection bias.
+        routing: the model's group-limited top-k settings (``routing_of(config)``).
 
     Args:
         config: the model's MoE settings.
@@ -207,6 +214,7 @@ class Glm5NextRouter(torch.nn.Module):
     def __init__(self, config: Glm5NextConfig, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.config = config
+        self.routing = routing_of(config)
         num_experts, hidden = config.n_routed_experts, config.hidden_size
         self.weight = torch.nn.Parameter(
             torch.zeros((num_experts, hidden), dtype=torch.float32, device=device),
@@ -218,13 +226,6 @@ class Glm5NextRouter(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing weights (float32) and expert ids (int32) of each token, (tokens, top_k)."""
-        cfg = self.config
         return route_logits(
-            router_logits(hidden_states, self.weight),
-            self.e_score_correction_bias,
-            top_k=cfg.num_experts_per_tok,
-            n_group=cfg.n_group,
-            topk_group=cfg.topk_group,
-            norm_topk_prob=cfg.norm_topk_prob,
-            routed_scaling_factor=cfg.routed_scaling_factor,
+            router_logits(hidden_states, self.weight), self.e_score_correction_bias, **self.routing
         )

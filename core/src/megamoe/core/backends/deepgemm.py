@@ -223,6 +223,7 @@ class DeepGemmBackend(ExpertsBackend):
         self._entry: SymmBufferEntry | None = None
         self._kernel: tuple[ModuleType, str] | None = None
         self._bound_tokens = False  # pass num_tokens_bound (0.2.5's fp8_mega_moe, one rank)
+        self._shared_args: dict[str, Any] = {}  # the fused shared experts' kernel arguments
 
     @classmethod
     def unsupported_reason(cls, run_format: WeightFormat, device: torch.device) -> str | None:
@@ -329,6 +330,8 @@ class DeepGemmBackend(ExpertsBackend):
                 module, kind, experts, shared, self._shared_layout, routed_count
             )
         self._kernel = (module, kind)
+        if self._shared_layout is not None:  # its tensors are allocated once, then rewritten
+            self._shared_args = _shared_weights(kind, self._shared_layout)
         one_rank = self._entry.key.group.size() == 1  # type: ignore[attr-defined]
         self._bound_tokens = (
             kind == KIND_SM90 and one_rank and takes(module.fp8_mega_moe, BOUND_KEYWORD)
@@ -391,7 +394,7 @@ class DeepGemmBackend(ExpertsBackend):
         l1w, l1s, l2w, l2s = self._layout.pieces
         buf = entry.buffer
         clamp = {CLAMP_KEYWORD: experts.swiglu_limit} if experts.swiglu_limit is not None else {}
-        shared = {} if self._shared_layout is None else _shared_weights(kind, self._shared_layout)
+        shared = self._shared_args
         with _on_device(experts.device):
             x = hidden_states.contiguous()
             weights = topk_weights.to(torch.float32).contiguous()
