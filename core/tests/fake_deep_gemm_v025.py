@@ -151,6 +151,24 @@ def _unsqueezed(t: Any) -> tuple[Any, bool]:
     return t, False
 
 
+# The 0.2.5 functions the fake module exposes (its casts, ``CASTS``, besides).
+ENTRY_POINTS = (
+    "get_symm_buffer_for_mega_moe",
+    "get_symm_buffer_for_sm90_mega_moe",
+    "transform_weights_for_mega_moe",
+    "transform_weights_for_mega_moe_sm90",
+    "transform_sf_into_required_layout",
+    "transform_scales_for_mega_moe",
+    "mega_moe_pre_dispatch",
+    "mega_moe_pre_dispatch_sm90",
+    "fp8_mega_moe",
+    "fp8_fp4_mega_moe",
+    "bf16_mega_moe",
+    "nvfp4_mega_moe",
+)
+CASTS = (per_token_cast_to_fp4, per_token_cast_to_nvfp4)
+
+
 class FakeDeepGemm025(base.FakeDeepGemm):
     """State of one fake sgl-deep-gemm 0.2.5 installation; ``module()`` builds the module."""
 
@@ -165,23 +183,10 @@ class FakeDeepGemm025(base.FakeDeepGemm):
         """The fake ``deep_gemm``: 0.2.5 has every entry point on every architecture."""
         mod = types.ModuleType("deep_gemm")
         mod.__dict__["fake"] = self
-        for name in (
-            "get_symm_buffer_for_mega_moe",
-            "get_symm_buffer_for_sm90_mega_moe",
-            "transform_weights_for_mega_moe",
-            "transform_weights_for_mega_moe_sm90",
-            "transform_sf_into_required_layout",
-            "transform_scales_for_mega_moe",
-            "mega_moe_pre_dispatch",
-            "mega_moe_pre_dispatch_sm90",
-            "fp8_mega_moe",
-            "fp8_fp4_mega_moe",
-            "bf16_mega_moe",
-            "nvfp4_mega_moe",
-        ):
+        for name in ENTRY_POINTS:
             mod.__dict__[name] = getattr(self, name)
         math_mod = types.ModuleType("deep_gemm.utils.math")
-        for fn in (per_token_cast_to_fp4, per_token_cast_to_nvfp4):
+        for fn in CASTS:
             math_mod.__dict__[fn.__name__] = mod.__dict__[fn.__name__] = fn
         mod.__dict__["utils"] = types.SimpleNamespace(math=math_mod)
         return mod

@@ -26,22 +26,7 @@ fake_v025 = load_fake("fake_deep_gemm_v025")
 E, TOP_K, H, INTER, T, S = 4, 2, 256, 256, 20, 1
 WHEEL = Path(os.environ.get("MEGAMOE_DG025", "/tmp/dg025")) / "deep_gemm"
 SOURCES = ("__init__.py", "mega/__init__.py", "utils/math.py")
-FAKED = (
-    "get_symm_buffer_for_mega_moe",
-    "get_symm_buffer_for_sm90_mega_moe",
-    "transform_weights_for_mega_moe",
-    "transform_weights_for_mega_moe_sm90",
-    "transform_sf_into_required_layout",
-    "transform_scales_for_mega_moe",
-    "mega_moe_pre_dispatch",
-    "mega_moe_pre_dispatch_sm90",
-    "fp8_mega_moe",
-    "fp8_fp4_mega_moe",
-    "bf16_mega_moe",
-    "nvfp4_mega_moe",
-    "per_token_cast_to_fp4",
-    "per_token_cast_to_nvfp4",
-)
+FAKED = (*fake_v025.ENTRY_POINTS, *(fn.__name__ for fn in fake_v025.CASTS))
 
 
 def _wheel_parameters() -> dict[str, list[tuple[str, str | None]]]:
