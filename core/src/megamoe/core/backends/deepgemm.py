@@ -197,7 +197,7 @@ def resolve_kernel(
 @contextlib.contextmanager
 def _on_device(device: torch.device) -> Iterator[None]:
     """Make ``device`` current (DeepGEMM allocates and launches on the current device)."""
-    if device.type != "cuda":
+    if device.type != "cuda" or device.index in (None, torch.cuda.current_device()):
         yield
         return
     with torch.cuda.device(device):
@@ -224,6 +224,8 @@ class DeepGemmBackend(ExpertsBackend):
         self._kernel: tuple[ModuleType, str] | None = None
         self._bound_tokens = False  # pass num_tokens_bound (0.2.5's fp8_mega_moe, one rank)
         self._shared_args: dict[str, Any] = {}  # the fused shared experts' kernel arguments
+        self._tagged: dict[str, torch.Tensor] = {}  # kernel_weights, gathered once per prepare
+        self._clamp: dict[str, float] = {}  # activation_clamp where the experts clamp
 
     @classmethod
     def unsupported_reason(cls, run_format: WeightFormat, device: torch.device) -> str | None:
@@ -332,6 +334,9 @@ class DeepGemmBackend(ExpertsBackend):
         self._kernel = (module, kind)
         if self._shared_layout is not None:  # its tensors are allocated once, then rewritten
             self._shared_args = _shared_weights(kind, self._shared_layout)
+        self._tagged = self.kernel_weights
+        limit = experts.swiglu_limit
+        self._clamp = {} if limit is None else {CLAMP_KEYWORD: limit}
         one_rank = self._entry.key.group.size() == 1  # type: ignore[attr-defined]
         self._bound_tokens = (
             kind == KIND_SM90 and one_rank and takes(module.fp8_mega_moe, BOUND_KEYWORD)
@@ -390,11 +395,10 @@ class DeepGemmBackend(ExpertsBackend):
                 f"{experts.max_num_tokens}) when building the layer, or split the batch"
             )
         check_tags(experts.kernel_tag.buffer_tag, {"symmetric buffer": entry.buffer}, label)
-        check_tags(experts.kernel_tag, self.kernel_weights, label)
+        check_tags(experts.kernel_tag, self._tagged, label)
         l1w, l1s, l2w, l2s = self._layout.pieces
         buf = entry.buffer
-        clamp = {CLAMP_KEYWORD: experts.swiglu_limit} if experts.swiglu_limit is not None else {}
-        shared = self._shared_args
+        clamp, shared = self._clamp, self._shared_args
         with _on_device(experts.device):
             x = hidden_states.contiguous()
             weights = topk_weights.to(torch.float32).contiguous()
