@@ -1,19 +1,23 @@
-"""The GLM router on a GPU: the torch path, the Triton path and the bare logits matmul.
+"""The routers on a GPU: the torch path, the one-launch Triton router and the bare matmul.
 
 For each router shape and token count, CUDA-event medians after warm-up, eager (host
 launch time included, as an engine's eager prefill sees it):
 
-- ``matmul``: the float32 logits ``x.float() @ W^T`` alone (both paths start with it);
-- ``torch``: the whole router on the torch path (``route_logits(..., use_triton=False)``);
-- ``triton``: the whole router as the block calls it (``Glm5NextRouter.forward``: the
-  matmul, then the Triton kernel);
+- ``one op``: a one-element ``add_``, timed the same way: the floor of any eager launch
+  on this machine;
+- ``matmul``: the float32 logits alone (the torch path starts with it: GLM's
+  ``x.float() @ W^T`` on its float32 weight, Qwen's bf16 ``torch.mm(out_dtype=float32)``);
+- ``torch``: the whole router on the torch path;
+- ``triton``: the whole router as the blocks call it on CUDA: one launch computing the
+  logits and the selection (``megamoe.core.kernels.router_triton``);
 - ``kernel``: the Triton selection alone, on given logits;
-- ``graphed``: a CUDA graph of ``triton``, replayed (no host time), beside a graph of
-  the matmul alone (``mm graphed``): the GPU time of the router and of its GEMM.
+- ``graphed``: a CUDA graph of ``triton``, replayed (no host time), beside graphs of the
+  matmul alone (``mm graphed``) and of the torch path (``torch graphed``): GPU time.
 
 The issue's target is ``triton`` <= 30 us from 1 to 1024 tokens. Shapes: GLM-5.3-Flash
-(E=288, top-8, no group limit, H=4096) and DeepSeek-V3 (E=256, top-8, 4 of 8 groups,
-H=7168).
+(sigmoid, E=288, top-8, no group limit, H=4096), DeepSeek-V3 (sigmoid, E=256, top-8, 4 of
+8 groups, H=7168), Qwen4-Exp (softmax, E=512, top-10, H=2048) and ``bench_block.py``'s
+Qwen4Exp router (E=64, top-8, H=4096).
 
     python3 benchmarks/bench_router.py
     python3 benchmarks/bench_router.py --tokens 1,1024 --routers glm5.3-flash --json r.json
@@ -23,29 +27,37 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from harness import cuda_graph_replay, cuda_median_ms, format_table, write_json
+from megamoe.core.kernels import one_launch_router
 from megamoe.glm5next.config import Glm5NextConfig
 from megamoe.glm5next.router import Glm5NextRouter, route_logits, router_logits
+from megamoe.qwen4exp.block import router_logits as qwen_logits
+from megamoe.qwen4exp.block import softmax_topk
 
-# name: (E, top_k, n_group, topk_group, hidden)
+# name: (scoring, E, top_k, n_group, topk_group, hidden)
 ROUTERS = {
-    "glm5.3-flash": (288, 8, 1, 1, 4096),
-    "deepseek-v3": (256, 8, 8, 4, 7168),
+    "glm5.3-flash": ("sigmoid", 288, 8, 1, 1, 4096),
+    "deepseek-v3": ("sigmoid", 256, 8, 8, 4, 7168),
+    "qwen4-exp": ("softmax", 512, 10, 1, 1, 2048),
+    "bench-block": ("softmax", 64, 8, 1, 1, 4096),  # bench_block.py's Qwen4Exp router
 }
 TARGET_US = 30.0
 COLUMNS = (
     ("router", "<12", "router"),
     ("tokens", ">6.0f", "tokens"),
+    ("one op", ">7.1f", "one_op_us"),
     ("matmul", ">7.1f", "matmul_us"),
     ("torch", ">7.1f", "torch_us"),
     ("triton", ">7.1f", "triton_us"),
     ("kernel", ">7.1f", "kernel_us"),
     ("graphed", ">8.1f", "graphed_us"),
     ("mm graphed", ">10.1f", "matmul_graphed_us"),
+    ("torch graphed", ">13.1f", "torch_graphed_us"),
     ("torch/triton", ">12.1f", "speedup"),
 )
 
@@ -60,9 +72,35 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build(name: str) -> Glm5NextRouter:
-    """A router of shape ``name`` on the GPU with random weights and bias."""
-    num_experts, top_k, n_group, topk_group, hidden = ROUTERS[name]
+@dataclass
+class Router:
+    """One router's paths as callables of the hidden states (and of given logits)."""
+
+    hidden: int
+    matmul: Callable[[torch.Tensor], torch.Tensor]
+    torch_path: Callable[[torch.Tensor], object]
+    one_launch: Callable[[torch.Tensor], object]
+    select: Callable[[torch.Tensor], object]
+
+
+def build(name: str) -> Router:
+    """A router of shape ``name`` on the GPU with random weights (and bias)."""
+    score, num_experts, top_k, n_group, topk_group, hidden = ROUTERS[name]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    if score == "softmax":  # Qwen4-Exp: bf16 weight, renormalized softmax top-k
+        weight = torch.empty(num_experts, hidden, device="cuda").normal_(0.0, 0.02, generator=gen)
+        weight = weight.bfloat16()
+        kernel, tickets = one_launch_router(
+            "softmax", 4096, "cuda", num_experts=num_experts, top_k=top_k, norm_topk_prob=True
+        )
+        assert kernel is not None and tickets is not None
+        return Router(
+            hidden,
+            lambda x: qwen_logits(x, weight),
+            lambda x: softmax_topk(qwen_logits(x, weight), top_k, True),
+            lambda x: kernel.route(x, weight, tickets),
+            kernel.select,
+        )
     config = Glm5NextConfig.from_dict(
         {
             "model_type": "glm5_next_text",
@@ -73,37 +111,42 @@ def build(name: str) -> Glm5NextRouter:
             "topk_group": topk_group,
         }
     )
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    router = Glm5NextRouter(config, device="cuda")
+    router = Glm5NextRouter(config, device="cuda", max_num_tokens=4096)
     with torch.no_grad():
         router.weight.normal_(0.0, 0.02, generator=gen)
         router.e_score_correction_bias.uniform_(0.0, 1e-3, generator=gen)
-    return router
+    route, bias = router.routing, router.e_score_correction_bias
+    return Router(
+        hidden,
+        lambda x: router_logits(x, router.weight),
+        lambda x: route_logits(router_logits(x, router.weight), bias, use_triton=False, **route),
+        router,
+        lambda logits: route_logits(logits, bias, use_triton=True, **route),
+    )
 
 
-def measure(name: str, router: Glm5NextRouter, count: int, args: argparse.Namespace) -> dict:
+def measure(name: str, router: Router, count: int, args: argparse.Namespace) -> dict:
     """One table row: the router's paths and parts at ``count`` tokens."""
-    cfg, route = router.config, router.routing
     gen = torch.Generator(device="cuda").manual_seed(count)
-    x = torch.randn(count, cfg.hidden_size, device="cuda", generator=gen).bfloat16()
-    weight, bias = router.weight, router.e_score_correction_bias
-    logits = router_logits(x, weight)
+    x = torch.randn(count, router.hidden, device="cuda", generator=gen).bfloat16()
+    logits = router.matmul(x)
 
     def time(fn: Callable[[], object]) -> float:
         return 1e3 * cuda_median_ms(fn, args.warmup, args.iters)
 
+    scratch = torch.zeros(1, device="cuda")
     with torch.no_grad():
         row: dict[str, Any] = {
             "router": name,
             "tokens": float(count),
-            "matmul_us": time(lambda: router_logits(x, weight)),
-            "torch_us": time(
-                lambda: route_logits(router_logits(x, weight), bias, use_triton=False, **route)
-            ),
-            "triton_us": time(lambda: router(x)),
-            "kernel_us": time(lambda: route_logits(logits, bias, use_triton=True, **route)),
-            "graphed_us": time(cuda_graph_replay(lambda: router(x))),
-            "matmul_graphed_us": time(cuda_graph_replay(lambda: router_logits(x, weight))),
+            "one_op_us": time(lambda: scratch.add_(1.0)),
+            "matmul_us": time(lambda: router.matmul(x)),
+            "torch_us": time(lambda: router.torch_path(x)),
+            "triton_us": time(lambda: router.one_launch(x)),
+            "kernel_us": time(lambda: router.select(logits)),
+            "graphed_us": time(cuda_graph_replay(lambda: router.one_launch(x))),
+            "matmul_graphed_us": time(cuda_graph_replay(lambda: router.matmul(x))),
+            "torch_graphed_us": time(cuda_graph_replay(lambda: router.torch_path(x))),
         }
     row["speedup"] = row["torch_us"] / row["triton_us"]
     return row

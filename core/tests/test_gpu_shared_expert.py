@@ -210,7 +210,7 @@ def test_cuda_graph_replay_and_the_aux_stream_equal_eager(
     out.zero_()
     graph.replay()
     assert_bitwise_equal(out, eager, "graph replay")
-    joined = AuxStream(device).launch(lambda: fp8_mlp(x))()
+    (joined,) = AuxStream(device).launch(lambda: (fp8_mlp(x),))()
     assert_bitwise_equal(joined, eager, "on the auxiliary stream")
 
 

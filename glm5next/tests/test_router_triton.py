@@ -128,14 +128,19 @@ def _cuda_router(shape: tuple[int, int, int, int], hidden: int = 512, seed: int 
 
 
 def test_forward_takes_the_kernel_for_covered_shapes() -> None:
+    """One launch computes the logits and selects on them, as the torch path would on the
+    same logits; the logits are float32 sums of the exact products (vs float64)."""
     router, route = _cuda_router(ROUTER_SHAPES["glm5.3-flash"])
+    assert router.kernel is not None
     x = torch.randn(64, 512, device="cuda").to(torch.bfloat16)
-    logits = x.float() @ router.weight.t()
     bias = router.e_score_correction_bias
     weights, ids = router(x)
-    want_w, want_ids = route_logits(logits, bias, use_triton=True, **route)
-    assert_bitwise_equal(ids, want_ids, "forward ids")
-    assert_bitwise_equal(weights, want_w, "forward weights")
+    kernel_w, kernel_ids, logits = router.kernel.route(x, router.weight, router.tickets, bias)
+    assert_bitwise_equal(ids, kernel_ids, "forward ids")
+    assert_bitwise_equal(weights, kernel_w, "forward weights")
+    exact = x.double() @ router.weight.double().t()
+    scale = x.double().abs() @ router.weight.double().abs().t()
+    assert float(((logits.double() - exact).abs() / scale).max()) <= 1e-5
     torch_w, torch_ids = grouped_topk(torch.sigmoid(logits), bias, **route)
     assert_bitwise_equal(ids, torch_ids.to(torch.int32), "forward vs torch path")
     torch.testing.assert_close(weights, torch_w, rtol=0, atol=WEIGHT_TOLERANCE)

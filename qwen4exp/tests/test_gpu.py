@@ -149,7 +149,7 @@ def test_aux_stream_equals_serial(
 ) -> None:
     x = expected["x"].to(device)
     aux = hopper_block.aux_stream
-    joined = aux.launch(lambda: hopper_block.shared_output(x))()
+    (joined,) = aux.launch(lambda: (hopper_block.shared_output(x),))()
     assert_bitwise_equal(joined, hopper_block.shared_output(x), "shared expert on the aux stream")
 
     y_aux = hopper_block(x)
@@ -161,3 +161,29 @@ def test_aux_stream_equals_serial(
     err = relative_error(y_aux, y_serial.double().cpu())
     print(f"aux stream vs serial: {err:.3e} (bitwise equal: {torch.equal(y_aux, y_serial)})")
     assert err <= 1e-3
+
+
+def test_router_is_one_launch_with_the_torch_paths_choice(
+    hopper_block: Qwen4ExpMegaMoeBlock, device: torch.device, expected: dict[str, torch.Tensor]
+) -> None:
+    """On CUDA the block routes through the one-launch kernel; on its own float32 logits
+    the torch path's selection gives the same ids and weights within 2e-6, and the
+    logits are within float32 summation (2e-5 of the sum of |products|) of the cuBLAS
+    ones the torch path starts from."""
+    from megamoe.qwen4exp.block import router_logits, softmax_topk
+
+    assert hopper_block.router_kernel is not None
+    x = expected["x"].to(device)
+    weights, ids = hopper_block.route(x)
+    kernel = hopper_block.router_kernel.route(
+        x, hopper_block.gate.weight, hopper_block.router_tickets
+    )
+    assert_bitwise_equal(ids, kernel[1], "route() ids are the kernel's")
+    cfg = hopper_block.config
+    want_w, want_ids = softmax_topk(kernel[2], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    assert_bitwise_equal(ids, want_ids, "ids on the kernel's logits")
+    torch.testing.assert_close(weights, want_w, rtol=0, atol=2e-6)
+    cublas = router_logits(x, hopper_block.gate.weight).double()
+    weight = hopper_block.gate.weight.double()
+    scale = x.double().abs() @ weight.abs().t()  # float32 sums of H products, both
+    assert float(((kernel[2].double() - cublas).abs() / scale).max()) <= 2e-5

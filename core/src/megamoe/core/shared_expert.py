@@ -1,8 +1,9 @@
-"""The unfused shared expert: a SwiGLU MLP, and the auxiliary stream it runs on.
+"""The unfused shared expert: a SwiGLU MLP, and when it runs beside the MegaMoE launch.
 
-Both adapters run a shared expert beside the router while the MegaMoE launch waits: the
-launch needs every SM, so the shared expert is issued first on an auxiliary CUDA stream and
-joined before the kernel starts.
+Both adapters run a shared expert next to the routed experts' single MegaMoE launch, which
+needs every SM: by default on the same stream right after the launch (its host work
+overlaps the kernel), or on an auxiliary CUDA stream beside the router, joined before the
+launch (``AuxStream``).
 
 A block-FP8 shared expert on Hopper keeps its checkpoint's E4M3 weights and 128x128 block
 scales and runs DeepGEMM's FP8 GEMM (``megamoe.core.fp8_gemm``): half the memory of the bf16
@@ -29,7 +30,7 @@ from megamoe.core.fp8_gemm import (
     resolve_shared_gemm,
 )
 from megamoe.core.pairing import PROJ_TO_SHARD, ShardPairing
-from megamoe.core.swiglu import check_swiglu_limit, swiglu
+from megamoe.core.swiglu import check_swiglu_limit, gate_up_bounds, swiglu_gate_up
 
 _PROJS = ("gate_proj", "up_proj", "down_proj")
 _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # block scales, read as float32
@@ -43,8 +44,8 @@ class SwiGLUMLP(torch.nn.Module):
 
     Two ways to multiply (``gemm``, ``megamoe.core.fp8_gemm.SharedGemm``):
 
-    - ``bf16``: bf16 parameters ``gate_proj``, ``up_proj``, ``down_proj``; a quantized
-      checkpoint is dequantized to bf16 when loaded.
+    - ``bf16``: bf16 parameters ``gate_up_proj`` (2I, H: gate rows, then up rows; one GEMM)
+      and ``down_proj`` (H, I); a quantized checkpoint is dequantized to bf16 when loaded.
     - ``deep_gemm`` (block-FP8 checkpoints on SM90): the checkpoint's E4M3 values and float32
       128x128 block scales as they are, gate and up stacked into one GEMM (``gate_up_fp8``
       (2I, H), ``gate_up_scale`` (2I/128, H/128); ``down_fp8`` (H, I), ``down_scale``); the
@@ -71,13 +72,13 @@ class SwiGLUMLP(torch.nn.Module):
         CapabilityError: ``deep_gemm`` requested where it cannot run.
     """
 
-    gate_proj: torch.nn.Parameter
-    up_proj: torch.nn.Parameter
+    gate_up_proj: torch.nn.Parameter
     down_proj: torch.nn.Parameter
     gate_up_fp8: torch.nn.Parameter
     gate_up_scale: torch.nn.Parameter
     down_fp8: torch.nn.Parameter
     down_scale: torch.nn.Parameter
+    swiglu_bounds: torch.Tensor | None
 
     def __init__(
         self,
@@ -105,7 +106,7 @@ class SwiGLUMLP(torch.nn.Module):
         h, i = hidden_size, intermediate_size
         if self.gemm is SharedGemm.BF16:
             self._names: tuple[str, ...] = _PROJS
-            shapes = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+            shapes = {"gate_up_proj": (2 * i, h), "down_proj": (h, i)}
             dtypes = dict.fromkeys(shapes, torch.bfloat16)
         else:
             self._names = tuple(f"{proj}.{half}" for proj in _PROJS for half in self._halves)
@@ -128,18 +129,23 @@ class SwiGLUMLP(torch.nn.Module):
                 ),
             )
         self._update = DenseUpdate(prefix)
+        activation_dtype = torch.bfloat16 if self.gemm is SharedGemm.BF16 else torch.float32
+        self.register_buffer(
+            "swiglu_bounds",
+            gate_up_bounds(self.swiglu_limit, i, activation_dtype, device),
+            persistent=False,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the MLP to ``x`` (..., H) in bf16 (no host sync)."""
         x = x.to(torch.bfloat16)
         if self.gemm is SharedGemm.BF16:
-            gate, up = F.linear(x, self.gate_proj), F.linear(x, self.up_proj)
-            return F.linear(swiglu(gate, up, self.swiglu_limit), self.down_proj)
+            hidden = swiglu_gate_up(F.linear(x, self.gate_up_proj), self.swiglu_bounds)
+            return F.linear(hidden, self.down_proj)
         rows = x.reshape(-1, self.hidden_size)
         gate_up = fp8_gemm_nt(*float_to_fp8_1x128(rows), self.gate_up_fp8, self.gate_up_scale)
         # SwiGLU in float32, cast straight to E4M3: one rounding, as inductor's fused kernel does.
-        gate, up = gate_up.float().split(self.intermediate_size, dim=-1)
-        hidden = swiglu(gate, up, self.swiglu_limit)
+        hidden = swiglu_gate_up(gate_up.float(), self.swiglu_bounds)
         out = fp8_gemm_nt(*float_to_fp8_1x128(hidden), self.down_fp8, self.down_scale)
         return out.reshape(x.shape)
 
@@ -185,7 +191,7 @@ class SwiGLUMLP(torch.nn.Module):
     def _write_bf16(self, proj: str, parts: dict[str, torch.Tensor]) -> None:
         """Dequantize a projection's halves into its bf16 parameter (or stage them)."""
         scale_name = self.checkpoint_format.scale_name
-        param: torch.nn.Parameter = getattr(self, proj)
+        param = self._bf16_slot(proj)
         if self.checkpoint_format is WeightFormat.FP8_BLOCK and scale_name is not None:
             check_block_scales(parts[scale_name], f"{self.prefix}.{proj}.{scale_name}")
         dense = quant.dequantize(
@@ -194,6 +200,13 @@ class SwiGLUMLP(torch.nn.Module):
             self.checkpoint_format,
         )
         self._update.write(proj, param, dense, shape_note="after dequantization")
+
+    def _bf16_slot(self, proj: str) -> torch.Tensor:
+        """The view of the bf16 storage that ``proj`` occupies."""
+        i = self.intermediate_size
+        if proj == "down_proj":
+            return self.down_proj
+        return self.gate_up_proj[:i] if proj == "gate_proj" else self.gate_up_proj[i:]
 
     def _fp8_slots(self, proj: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The (weight, scale) views of the FP8 storage that ``proj`` occupies."""
@@ -272,12 +285,25 @@ class SwiGLUMLP(torch.nn.Module):
         return self._update.pending_bytes
 
 
+Parts = tuple[torch.Tensor, ...]
+
+
 class AuxStream:
-    """Runs work beside the current CUDA stream and joins it later; inline without CUDA.
+    """Orders a block's shared expert around its router and MegaMoE launch.
+
+    Two schedules (:meth:`schedule`), both safe for the persistent MegaMoE kernel, which
+    needs every SM to itself:
+
+    - serial (``enabled=False``, CPU, and always under ``torch.compile``): router, MegaMoE
+      launch, then the shared expert on the same stream. Its kernels queue behind the
+      MegaMoE kernel, so their host-side launch work overlaps the kernel's GPU time
+      instead of delaying its start.
+    - auxiliary stream (``enabled=True`` on CUDA): the shared expert is issued first on a
+      second stream, beside the router, and joined before the MegaMoE launch.
 
     Args:
         device: the device the work runs on.
-        enabled: False runs everything inline on the current stream (serial path).
+        enabled: True runs the shared expert on an auxiliary CUDA stream.
     """
 
     def __init__(self, device: torch.device | str, enabled: bool = True) -> None:
@@ -286,7 +312,26 @@ class AuxStream:
             torch.cuda.Stream(device=device) if enabled and device.type == "cuda" else None
         )
 
-    def launch(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    def schedule(
+        self,
+        shared: Callable[[], Parts],
+        route: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+        experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> tuple[torch.Tensor, Parts]:
+        """Run ``experts(*route())`` and ``shared()`` in this stream's order.
+
+        Returns:
+            The experts' output and the shared expert's tensors.
+        """
+        if torch.compiler.is_compiling() or self.stream is None:
+            routed = experts(*route())
+            return routed, shared()
+        join = self.launch(shared)
+        routing = route()
+        side = join()  # before the MegaMoE launch: it needs every SM
+        return experts(*routing), side
+
+    def launch(self, fn: Callable[[], Parts]) -> Callable[[], Parts]:
         """Start ``fn`` on the auxiliary stream; the returned callable joins, giving the result."""
         if self.stream is None:
             result = fn()
@@ -297,9 +342,10 @@ class AuxStream:
             result = fn()
         stream = self.stream
 
-        def join() -> torch.Tensor:
+        def join() -> Parts:
             main.wait_stream(stream)
-            result.record_stream(main)
+            for tensor in result:
+                tensor.record_stream(main)
             return result
 
         return join

@@ -27,10 +27,6 @@ from megamoe.glm5next.config import MODEL_NAME, Glm5NextConfig
 from megamoe.glm5next.experts import DEFAULT_REQUANT_CHUNK, Glm5NextMegaMoEExperts
 from megamoe.glm5next.router import Glm5NextRouter
 
-# Under torch.compile the shared expert runs inline: inductor cannot express a side
-# stream's record_stream (eager and CUDA-graph capture keep the auxiliary stream).
-SERIAL = AuxStream("cpu", enabled=False)
-
 logger = logging.getLogger("megamoe")
 
 ROUTER = "gate.weight"
@@ -49,8 +45,10 @@ class Glm5NextMegaMoeBlock(MoEBlock):
     and the shared expert. The shared expert is fused into the kernel as an extra expert
     where the run format allows it (MXFP8, MXFP4, BF16: the SM100 kernel); otherwise
     (FP8_BLOCK: Hopper, or the reference path running block-FP8) it is a separate SwiGLU
-    MLP issued on an auxiliary CUDA stream beside the router and joined before the MegaMoE
-    launch. Both compute the same function, with the model's SwiGLU clamp
+    MLP, issued right after the MegaMoE launch on the same stream so that its host work
+    overlaps the kernel (or, with ``use_aux_stream``, on an auxiliary CUDA stream beside
+    the router, joined before the launch: ``megamoe.core.shared_expert.AuxStream``).
+    Both compute the same function, with the model's SwiGLU clamp
     (``swiglu_limit``: gate <= L, -L <= up <= L, before silu) in the routed experts and the
     shared expert alike. The router's expert ids go to the experts
     as physical ids (physical expert ``e`` holds logical expert ``e``); an engine with EPLB
@@ -65,8 +63,8 @@ class Glm5NextMegaMoeBlock(MoEBlock):
         fuse_shared: None fuses the shared expert where the run format allows; False never
             fuses; True requires fusing.
         use_aux_stream: True issues an unfused shared expert on an auxiliary CUDA stream
-            beside the router; off by default: on the H200 it did not pay
-            (``bench_block.py``).
+            beside the router; off by default: on the H200 issuing it after the MegaMoE
+            launch was faster (``benchmarks/bench_block.py``).
         shared_gemm: how the (unfused) shared expert multiplies
             (``megamoe.core.fp8_gemm.SharedGemm``): ``"bf16"`` (default; a block-FP8
             checkpoint is dequantized at load: measured faster on the H200), ``"deep_gemm"``
@@ -133,7 +131,7 @@ class Glm5NextMegaMoeBlock(MoEBlock):
                 swiglu_limit=cfg.swiglu_limit,
                 gemm=shared_gemm,
             )
-        self.gate = Glm5NextRouter(cfg, device=self.device)
+        self.gate = Glm5NextRouter(cfg, device=self.device, max_num_tokens=plan.max_num_tokens)
         self.aux_stream = AuxStream(self.device, enabled=use_aux_stream)
         self._dense = DenseUpdate(prefix)
 
@@ -171,14 +169,14 @@ class Glm5NextMegaMoeBlock(MoEBlock):
         """Routed plus (fused or separate) shared-expert output; see ``MoEBlock.forward``."""
         check_hidden_states(self.prefix, hidden_states, self.config.hidden_size)
         shared_mlp = self.shared_experts
-        aux = SERIAL if torch.compiler.is_compiling() else self.aux_stream
-        join_shared = None if shared_mlp is None else aux.launch(lambda: shared_mlp(hidden_states))
-        topk_weights, topk_ids = self.gate(hidden_states)
-        shared = None if join_shared is None else join_shared()  # before the MegaMoE launch
-        routed = self.experts(hidden_states, topk_weights, topk_ids)
-        if shared is None:
-            return routed
-        return (routed.float() + shared.float()).to(torch.bfloat16)
+        if shared_mlp is None:
+            return self.experts(hidden_states, *self.gate(hidden_states))
+        routed, (shared,) = self.aux_stream.schedule(
+            lambda: (shared_mlp(hidden_states),),
+            lambda: self.gate(hidden_states),
+            lambda weights, ids: self.experts(hidden_states, weights, ids),
+        )
+        return routed + shared  # bf16 + bf16 adds in float32 and rounds once, one kernel
 
     # -- loading ---------------------------------------------------------------------------
 

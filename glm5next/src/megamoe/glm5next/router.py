@@ -5,24 +5,25 @@ are equal the lower group id is kept first, and among experts whose biased score
 equal the lower expert id is chosen first. The chosen experts come in order of
 decreasing biased score (ties: lower id first).
 
-Two paths give the same ids and weights (weights within float32 rounding of the final
-renormalizing sum): the torch expression of :func:`grouped_topk`, the reference that runs
-on the CPU and wherever Triton is missing, and one Triton kernel per call on CUDA
-(``router_triton``), which :func:`route_logits` takes when it can.
+Two paths give the same ids and weights from the same logits (weights within float32
+rounding of the final renormalizing sum): the torch expression of :func:`grouped_topk`,
+the reference that runs on the CPU and wherever Triton is missing, and the Triton
+selection on CUDA (``router_triton``), which :func:`route_logits` takes when it can.
+``Glm5NextRouter`` on CUDA computes the logits in the same launch
+(``megamoe.core.kernels.router_triton``).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from typing import TypedDict, Unpack
 
 import torch
 
+from megamoe.core.kernels import TRITON_AVAILABLE, one_launch_router
 from megamoe.glm5next.config import ROUTER_TOP2, Glm5NextConfig
 
 NORM_EPS = 1e-20  # added to the renormalization's denominator, as the model does
-# CUDA installs of torch ship Triton; CPU-only ones do not (then the torch path runs).
-TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+DEFAULT_MAX_TOKENS = 8192  # tokens per forward a router serves unless told (its kernel tickets)
 
 
 class GroupedRouting(TypedDict):
@@ -200,18 +201,31 @@ def route_logits(
 class Glm5NextRouter(torch.nn.Module):
     """The router of one MoE layer; its parameters are named as in the checkpoint.
 
+    On CUDA with Triton, for covered shapes (``router_triton.triton_covers``), ``forward`` is
+    one kernel launch: the logits GEMM and the selection together
+    (``megamoe.core.kernels.router_triton``). Elsewhere it is the torch path,
+    :func:`router_logits` then :func:`route_logits`.
+
     Attributes:
         weight: (E, H) float32 router weight (``gate.weight``; bf16 in checkpoints is
             widened exactly).
         e_score_correction_bias: (E,) float32 selection bias.
         routing: the model's group-limited top-k settings (``routing_of(config)``).
+        kernel: the one-launch router, None where it cannot run (no Triton, or a shape
+            the kernel does not cover).
 
     Args:
         config: the model's MoE settings.
         device: where the parameters live.
+        max_num_tokens: the most tokens one forward carries (sizes the kernel's tickets).
     """
 
-    def __init__(self, config: Glm5NextConfig, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        config: Glm5NextConfig,
+        device: torch.device | str | None = None,
+        max_num_tokens: int = DEFAULT_MAX_TOKENS,
+    ) -> None:
         super().__init__()
         self.config = config
         self.routing = routing_of(config)
@@ -223,9 +237,23 @@ class Glm5NextRouter(torch.nn.Module):
         self.e_score_correction_bias = torch.nn.Parameter(
             torch.zeros(num_experts, dtype=torch.float32, device=device), requires_grad=False
         )
+        check_group_settings(
+            num_experts, self.e_score_correction_bias, self.routing["top_k"],
+            self.routing["n_group"], self.routing["topk_group"],
+        )  # fmt: skip
+        self.kernel, tickets = one_launch_router(
+            "sigmoid", max_num_tokens, device, num_experts=num_experts, **self.routing
+        )
+        self.tickets: torch.Tensor
+        self.register_buffer("tickets", tickets, persistent=False)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing weights (float32) and expert ids (int32) of each token, (tokens, top_k)."""
+        if self.kernel is not None and hidden_states.is_cuda:
+            weights, ids, _ = self.kernel.route(
+                hidden_states, self.weight, self.tickets, self.e_score_correction_bias
+            )
+            return weights, ids
         return route_logits(
             router_logits(hidden_states, self.weight), self.e_score_correction_bias, **self.routing
         )

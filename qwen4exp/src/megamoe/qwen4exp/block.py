@@ -13,29 +13,55 @@ from megamoe.core.block_setup import EXPERTS, BlockOptions, check_hidden_states,
 from megamoe.core.dense_update import DenseUpdate, discard_on_error
 from megamoe.core.errors import IncompleteShardsError, MissingExpertsError
 from megamoe.core.expert_names import WEIGHT, WEIGHT_PACKED
+from megamoe.core.kernels import one_launch_router
 from megamoe.core.parallel import ParallelSettings
 from megamoe.core.quant_config import detect_expert_format
 from megamoe.core.shared_expert import AuxStream, SwiGLUMLP
 from megamoe.qwen4exp.config import MODEL_NAME, Qwen4ExpConfig
 from megamoe.qwen4exp.experts import Qwen4ExpMegaMoEExperts
 
-# Under torch.compile the shared expert runs inline: inductor cannot express a side
-# stream's record_stream (eager and CUDA-graph capture keep the auxiliary stream).
-SERIAL = AuxStream("cpu", enabled=False)
-
 ROUTER = "gate.weight"
 SHARED_GATE = "shared_expert_gate.weight"
 SHARED_EXPERT = "shared_expert"
+
+
+def router_logits(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight^T`` in float32 from bf16 operands: exact products, float32 sums.
+
+    One GEMM on CUDA (``torch.mm(..., out_dtype=)``, bf16 inputs, float32 output; torch
+    has no CPU kernel for it), where widening both operands first would add two casts;
+    elsewhere both are widened (the same products and sums).
+    """
+    if hidden_states.is_cuda:
+        return torch.mm(hidden_states, weight.t(), out_dtype=torch.float32)
+    return F.linear(hidden_states.float(), weight.float())
+
+
+def softmax_topk(
+    logits: torch.Tensor, top_k: int, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch path of the router's selection (see ``Qwen4ExpMegaMoeBlock.route``).
+
+    Returns:
+        ``(topk_weights float32, topk_ids int32)``, each (tokens, top_k).
+    """
+    if norm_topk_prob:
+        top_logits, topk_ids = logits.topk(top_k, dim=-1)
+        topk_weights = torch.softmax(top_logits, dim=-1)
+    else:
+        topk_weights, topk_ids = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
+    return topk_weights, topk_ids.to(torch.int32)
 
 
 class Qwen4ExpMegaMoeBlock(MoEBlock):
     """A Qwen3-Next-style MoE layer whose routed experts run as one MegaMoE launch.
 
     ``forward`` routes (router linear, float32 softmax, top-k, renormalized when
-    ``norm_topk_prob``), runs the shared SwiGLU expert scaled by
-    ``sigmoid(shared_expert_gate(x))`` on an auxiliary CUDA stream beside the router, joins
-    it before the MegaMoE launch (which needs every SM), and returns routed plus shared
-    output for this rank's tokens; no collective follows.
+    ``norm_topk_prob``), launches the routed experts, runs the shared SwiGLU expert scaled
+    by ``sigmoid(shared_expert_gate(x))`` after that launch on the same stream (its host
+    work overlaps the kernel; ``use_aux_stream`` issues it on an auxiliary CUDA stream
+    beside the router instead, joined before the launch, which needs every SM), and
+    returns routed plus shared output for this rank's tokens; no collective follows.
 
     Args:
         config: the model config (a ``Qwen4ExpConfig`` or the ``config.json`` mapping).
@@ -44,7 +70,8 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
         parallel: expert-parallel group (required; a group of size 1 for one device),
             placement (linear) and tensor-parallel size (1).
         use_aux_stream: True issues the shared expert on an auxiliary CUDA stream beside
-            the router; off by default: on the H200 it did not pay (``bench_block.py``).
+            the router; off by default: on the H200 issuing it after the MegaMoE launch
+            was faster (``benchmarks/bench_block.py``).
         shared_gemm: how the (unfused) shared expert multiplies
             (``megamoe.core.fp8_gemm.SharedGemm``): ``"bf16"`` (default; a block-FP8
             checkpoint is dequantized at load: measured faster on the H200), ``"deep_gemm"``
@@ -98,42 +125,67 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
             linear.weight.requires_grad_(False)
         self.aux_stream = AuxStream(self.device, enabled=use_aux_stream)
         self._dense = DenseUpdate(prefix)
+        self.router_kernel, tickets = one_launch_router(
+            "softmax", plan.max_num_tokens, self.device, num_experts=cfg.num_experts,
+            top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
+        )  # fmt: skip
+        self.router_tickets: torch.Tensor
+        self.register_buffer("router_tickets", tickets, persistent=False)
 
     # -- forward ---------------------------------------------------------------------------
 
     def route(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k routing weights (float32) and expert ids (int32) of each token.
 
-        Logits precision: float32, from the bf16 input and router weight (both widened
-        exactly). transformers computes them in the model dtype (bf16); a bf16 GEMM's
-        result depends on the kernel's accumulation order and output rounding, so bf16
-        logits would not reproduce the model's choice at near-ties anyway, while float32
-        logits are the closest to the exact product and the same on every device. Away
-        from near-ties both pick the same experts (checked against transformers). Softmax
-        over all experts in float32, top-k, renormalized (no epsilon) when
-        ``norm_topk_prob``.
+        Logits precision: float32, from the bf16 input and router weight (exact products,
+        float32 sums: ``router_logits``). transformers computes them in the model dtype
+        (bf16); a bf16 GEMM's result depends on the kernel's accumulation order and output
+        rounding, so bf16 logits would not reproduce the model's choice at near-ties anyway,
+        while float32 logits are the closest to the exact product. Away from near-ties both
+        pick the same experts (checked against transformers).
+
+        The k largest logits are the k largest softmax probabilities (softmax is monotone),
+        so the ids come from the logits. With ``norm_topk_prob`` the weights are the softmax
+        of the k chosen logits, which is the chosen probabilities divided by their sum (no
+        epsilon), within float32 rounding, and never needs the other experts' exponentials;
+        without it, softmax over all experts in float32, then top-k.
+
+        On CUDA with Triton (E <= 512, top-k <= 16) all of it is one kernel launch
+        (``megamoe.core.kernels.router_triton``, softmax scoring: the same rule, its own
+        float32 summation order and ``exp``); elsewhere four torch operations.
         """
-        logits = F.linear(hidden_states.float(), self.gate.weight.float())
-        probs = torch.softmax(logits, dim=-1)
-        topk_weights, topk_ids = probs.topk(self.config.num_experts_per_tok, dim=-1)
-        if self.config.norm_topk_prob:
-            topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-        return topk_weights, topk_ids.to(torch.int32)
+        if self.router_kernel is not None and hidden_states.is_cuda:
+            weights, ids, _ = self.router_kernel.route(
+                hidden_states, self.gate.weight, self.router_tickets
+            )
+            return weights, ids
+        return softmax_topk(
+            router_logits(hidden_states, self.gate.weight),
+            self.config.num_experts_per_tok,
+            self.config.norm_topk_prob,
+        )
+
+    def shared_gate(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``sigmoid(shared_expert_gate(x))`` in float32, (tokens, 1)."""
+        return torch.sigmoid(F.linear(hidden_states, self.shared_expert_gate.weight).float())
 
     def shared_output(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The shared expert times ``sigmoid(shared_expert_gate(x))``, float32."""
-        gate = torch.sigmoid(F.linear(hidden_states, self.shared_expert_gate.weight).float())
-        return self.shared_expert(hidden_states).float() * gate
+        return self.shared_expert(hidden_states).float() * self.shared_gate(hidden_states)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Routed plus gated shared-expert output (see ``MoEBlock.forward``)."""
+        """Routed plus gated shared-expert output (see ``MoEBlock.forward``).
+
+        The shared expert's bf16 output, times its float32 gate, is added to the routed
+        output in one float32 ``addcmul`` and rounded to bf16 once.
+        """
         check_hidden_states(self.prefix, hidden_states, self.config.hidden_size)
-        aux = SERIAL if torch.compiler.is_compiling() else self.aux_stream
-        join_shared = aux.launch(lambda: self.shared_output(hidden_states))
-        topk_weights, topk_ids = self.route(hidden_states)
-        shared = join_shared()  # before the MegaMoE launch: it needs every SM
-        routed = self.experts(hidden_states, topk_weights, topk_ids)
-        return (routed.float() + shared).to(torch.bfloat16)
+        routed, (shared, gate) = self.aux_stream.schedule(
+            lambda: (self.shared_expert(hidden_states), self.shared_gate(hidden_states)),
+            lambda: self.route(hidden_states),
+            lambda weights, ids: self.experts(hidden_states, weights, ids),
+        )
+        return torch.addcmul(routed, shared, gate).to(torch.bfloat16)
 
     # -- loading ---------------------------------------------------------------------------
 

@@ -3,4 +3,50 @@
 Nothing here is imported by the rest of core at import time: ``quant.requantize`` imports
 ``megamoe.core.kernels.requant_triton`` on first use for CUDA tensors and falls back to
 torch when Triton is missing, so core works without Triton (CPU CI has none).
+``router_triton`` is the adapters' routers in one launch, taken where
+``TRITON_AVAILABLE`` and the tensors are on CUDA.
 """
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from megamoe.core.kernels.router_triton import TritonRouter
+
+# CUDA installs of torch ship Triton; CPU-only ones do not (then the torch paths run).
+TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+
+
+def one_launch_router(
+    score: str, max_num_tokens: int, device: torch.device | str | None, **settings: Any
+) -> tuple[TritonRouter | None, torch.Tensor | None]:
+    """A router's one-launch kernel and its tickets, or ``(None, None)`` where it cannot run.
+
+    Args:
+        score: ``"softmax"`` or ``"sigmoid"`` (``router_triton.TritonRouter``'s scorings).
+        max_num_tokens: the most tokens one forward carries.
+        device: where the tickets live (the router's device).
+        **settings: ``TritonRouter``'s fields after ``score`` (``num_experts``, ``top_k``,
+            ``norm_topk_prob``; for sigmoid ``n_group``, ``topk_group``,
+            ``routed_scaling_factor``).
+
+    Returns:
+        None twice without Triton or for a router the kernel does not cover.
+    """
+    if not TRITON_AVAILABLE:
+        return None, None
+    from megamoe.core.kernels import router_triton
+
+    if not router_triton.covers(
+        settings["num_experts"], settings["top_k"], settings.get("n_group", 1)
+    ):
+        return None, None
+    scoring = {"softmax": router_triton.SCORE_SOFTMAX, "sigmoid": router_triton.SCORE_SIGMOID}
+    return (
+        router_triton.TritonRouter(scoring[score], **settings),
+        router_triton.ticket_buffer(max_num_tokens, device),
+    )

@@ -1,0 +1,483 @@
+"""A MoE router in one Triton launch: the logits GEMM and the top-k selection together.
+
+Eager engines pay host time for every kernel they launch (10-25 us each on the H200 test
+machine), so a router written as torch operations (cast, GEMM, softmax or sigmoid, top-k,
+renormalization, cast) costs far more than its GPU work. :class:`TritonRouter` runs it as
+one launch:
+
+1. Every program multiplies a (16 tokens x ``BLOCK_E`` experts) tile of logits over the
+   hidden size on tensor cores, summing in float32, and stores it. Calls with few tokens
+   make few such programs, so the hidden size is split too (about 256 programs share the
+   weight's read); each split stores partial sums, which the last program adds in split
+   order: deterministic for a given token count. A float32 weight (GLM's) is split in
+   registers into three bf16 parts (``hi + mid + lo``, the weight to 2^-24 relative)
+   whose products with the bf16 input are exact, so the logits are as accurate as a
+   float32 GEMM's.
+2. Programs count themselves off on a per-token-block ticket (an int32 atomic, release and
+   acquire); the last program of a token block resets its ticket to 0 (so the next call,
+   and every CUDA-graph replay, starts from zero), adds the splits, and selects the
+   experts of its 16 tokens from the finished logits rows.
+
+Selection (:func:`select_experts`, the 16 tokens of a block at once, each token's row a
+(groups x experts per group) tile in registers) has two scorings:
+
+- ``SCORE_SOFTMAX`` (Qwen-style): the top-k logits; weights ``softmax`` of the chosen
+  logits when renormalizing, else the chosen experts' softmax probabilities over all.
+- ``SCORE_SIGMOID`` (DeepSeek/GLM-style): sigmoid scores plus a selection bias, groups
+  scored by their two best biased scores, the best groups kept, the top-k among them;
+  weights the unbiased scores (divided by their sum plus ``NORM_EPS`` when renormalizing)
+  times ``routed_scaling_factor``. Bit for bit with the torch expression given the same
+  logits: torch's CUDA sigmoid, keys ordered as torch sorts floats (NaN largest), ties to
+  the lower index; only the renormalizing sum may add in another order.
+
+Order and ties are decided on integer keys: each float maps to an int32 in float order
+(every NaN above +inf), packed with the reversed index into one int64, so a max reduction
+picks the largest value and, among equal values, the lowest index. The chosen experts come
+out in decreasing key order.
+
+The logits are sums in float32 whose order differs from cuBLAS's, as cuBLAS's own order
+differs between shapes; the adapters' GPU tests bound them against float64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+__all__ = [
+    "MAX_EXPERTS",
+    "MAX_GROUPS",
+    "MAX_TOP_K",
+    "NORM_EPS",
+    "SCORE_SIGMOID",
+    "SCORE_SOFTMAX",
+    "TritonRouter",
+    "covers",
+    "ticket_buffer",
+]
+
+SCORE_SOFTMAX = 0
+SCORE_SIGMOID = 1
+NORM_EPS = 1e-20  # the sigmoid scoring's renormalization epsilon (DeepSeek-V3, GLM)
+MAX_EXPERTS = 512  # the largest router a token's row holds in registers (Qwen4-Exp's E)
+MAX_TOP_K = 16
+MAX_GROUPS = 16
+BLOCK_T = 16  # tokens per program: the smallest tl.dot tile
+BLOCK_E = 32  # experts per program
+SPLIT_PROGRAMS = 256  # about two programs per SM of an H100/H200 (132 SMs)
+MAX_SPLITS = 16  # hidden-size splits at most (their partial sums cost a pass each)
+_KEY_NAN = tl.constexpr(0x7FFFFFFF)  # int32 key of every NaN: above +inf's 0x7F800000
+_LOW_MAX = tl.constexpr(0x7FFFFFFF)  # a packed key's low word: index ^ _LOW_MAX
+_MASKED = tl.constexpr(-(2**63))  # packed key of a padded, excluded or chosen entry
+_NORM_EPS = tl.constexpr(NORM_EPS)
+
+
+def covers(num_experts: int, top_k: int, n_group: int) -> bool:
+    """Whether the kernel handles this router (E <= 512, top-k <= 16, at most 16 groups)."""
+    return num_experts <= MAX_EXPERTS and top_k <= MAX_TOP_K and n_group <= MAX_GROUPS
+
+
+@triton.jit
+def _float_to_key(value: tl.tensor) -> tl.tensor:
+    """int32 keys in float order, every NaN above +inf (-0.0 just below +0.0)."""
+    bits = value.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return tl.where(value != value, _KEY_NAN, key)
+
+
+@triton.jit
+def _key_to_float(key: tl.tensor) -> tl.tensor:
+    """Inverse of ``_float_to_key`` (a NaN comes back as a NaN)."""
+    return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pack(key: tl.tensor, index: tl.tensor) -> tl.tensor:
+    """One int64 whose order is (key, then lower index first)."""
+    # index ^ 0x7FFFFFFF is 0x7FFFFFFF - index: larger for a lower index, never negative.
+    return (key.to(tl.int64) << 32) | (index ^ _LOW_MAX).to(tl.int64)
+
+
+@triton.jit
+def _sigmoid(logit: tl.tensor) -> tl.tensor:
+    """Torch's CUDA float32 sigmoid, ``1 / (1 + expf(-x))``, correctly rounded division."""
+    return tl.math.div_rn(1.0, 1.0 + libdevice.exp(-logit))
+
+
+@triton.jit
+def select_experts(
+    logits_ptr: tl.tensor,
+    NUM_EXPERTS: tl.constexpr,
+    bias_ptr: tl.tensor,
+    weights_ptr: tl.tensor,
+    ids_ptr: tl.tensor,
+    first_token: tl.tensor,
+    num_tokens: tl.tensor,
+    SCALE: tl.constexpr,
+    SCORE: tl.constexpr,
+    PER_GROUP: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    TOP_K: tl.constexpr,
+    NORM_TOPK_PROB: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROWS: tl.constexpr,
+) -> None:
+    """Route tokens ``first_token .. + ROWS`` (those below ``num_tokens``) at once.
+
+    Each token's logits row (contiguous (T, NUM_EXPERTS) logits) is a (groups x experts
+    per group) tile; the tiles of the ROWS tokens stack into one (ROWS, BLOCK_G, BLOCK_J)
+    block, reduced along its last axes.
+    """
+    token = first_token + tl.arange(0, ROWS).to(tl.int64)
+    token_ok = token < num_tokens
+    group = tl.arange(0, BLOCK_G)
+    member = tl.arange(0, BLOCK_J)
+    expert = group[:, None] * PER_GROUP + member[None, :]
+    in_row = (group[:, None] < N_GROUP) & (member[None, :] < PER_GROUP)
+    valid = token_ok[:, None, None] & in_row[None, :, :]
+    row = logits_ptr + token * NUM_EXPERTS
+    # .cg: other programs wrote these rows; read them from L2, never a stale L1 line.
+    logit = tl.load(row[:, None, None] + expert[None, :, :], mask=valid, other=0.0,
+                    cache_modifier=".cg")  # fmt: skip
+    if SCORE == 1:
+        bias = tl.load(bias_ptr + expert, mask=in_row, other=0.0)
+        keyed = _sigmoid(logit) + bias[None, :, :]
+    else:
+        keyed = logit
+    packed = tl.where(valid, _pack(_float_to_key(keyed), expert[None, :, :]), _MASKED)
+
+    if TOPK_GROUP < N_GROUP:
+        # A group scores its two best biased scores added; keys are unique, so removing
+        # the best one entry leaves the second even when the two are equal.
+        best = tl.max(packed, axis=2)
+        second = tl.max(tl.where(packed == best[:, :, None], _MASKED, packed), axis=2)
+        group_sum = _key_to_float((best >> 32).to(tl.int32)) + _key_to_float(
+            (second >> 32).to(tl.int32)
+        )
+        group_valid = (group < N_GROUP)[None, :]
+        group_packed = tl.where(
+            group_valid, _pack(_float_to_key(group_sum), group[None, :]), _MASKED
+        )
+        # Rank of each group: how many groups beat it; the TOPK_GROUP lowest ranks stay.
+        beats = group_packed[:, None, :] > group_packed[:, :, None]
+        beaten_by = tl.sum(beats.to(tl.int32), axis=2)
+        kept = group_valid & (beaten_by < TOPK_GROUP)
+        packed = tl.where(kept[:, :, None], packed, _MASKED)
+
+    slot = tl.arange(0, BLOCK_K)[None, :]
+    ids = tl.zeros([ROWS, BLOCK_K], dtype=tl.int32)
+    for i in tl.static_range(TOP_K):
+        best = tl.max(tl.max(packed, axis=2), axis=1)
+        ids = tl.where(slot == i, best[:, None].to(tl.int32) ^ _LOW_MAX, ids)
+        packed = tl.where(packed == best[:, None, None], _MASKED, packed)
+
+    out_ok = token_ok[:, None] & (slot < TOP_K)
+    chosen = tl.load(row[:, None] + ids, mask=out_ok, other=0.0, cache_modifier=".cg")
+    if SCORE == 1:
+        # The chosen experts' unbiased scores, recomputed from their logits: the same bits.
+        weights = tl.where(out_ok, _sigmoid(chosen), 0.0)
+        if NORM_TOPK_PROB:
+            total = tl.sum(weights, axis=1)[:, None] + _NORM_EPS
+            weights = tl.math.div_rn(weights, total)
+        weights = weights * SCALE
+    else:
+        top = tl.max(tl.max(tl.where(valid, logit, -float("inf")), axis=2), axis=1)
+        exps = tl.where(out_ok, libdevice.exp(chosen - top[:, None]), 0.0)
+        if NORM_TOPK_PROB:
+            total = tl.sum(exps, axis=1)
+        else:
+            every = tl.where(valid, libdevice.exp(logit - top[:, None, None]), 0.0)
+            total = tl.sum(tl.sum(every, axis=2), axis=1)
+        weights = tl.math.div_rn(exps, tl.where(token_ok, total, 1.0)[:, None])
+    out = token[:, None] * TOP_K + slot
+    tl.store(weights_ptr + out, weights, mask=out_ok)
+    tl.store(ids_ptr + out, ids, mask=out_ok)
+
+
+@triton.jit
+def _add_splits(
+    partial_ptr: tl.tensor,
+    logits_ptr: tl.tensor,
+    first_token: tl.tensor,
+    num_tokens: tl.tensor,
+    splits: tl.tensor,
+    NUM_EXPERTS: tl.constexpr,
+    E_PAD: tl.constexpr,
+    ROWS: tl.constexpr,
+) -> None:
+    """Logits of tokens ``first_token .. + ROWS``: their splits' partial sums, in order."""
+    token = first_token + tl.arange(0, ROWS).to(tl.int64)
+    expert = tl.arange(0, E_PAD)
+    ok = (token < num_tokens)[:, None] & (expert < NUM_EXPERTS)[None, :]
+    at = token[:, None] * NUM_EXPERTS + expert[None, :]
+    total = tl.zeros([ROWS, E_PAD], dtype=tl.float32)
+    for split in range(0, splits):
+        plane = tl.cast(split, tl.int64) * num_tokens * NUM_EXPERTS  # num_tokens may be 1
+        total += tl.load(partial_ptr + plane + at, mask=ok, other=0.0, cache_modifier=".cg")
+    tl.store(logits_ptr + at, total, mask=ok)
+    tl.debug_barrier()  # the selection reads these rows back
+
+
+@triton.jit
+def _route_kernel(
+    x_ptr: tl.tensor,
+    w_ptr: tl.tensor,
+    bias_ptr: tl.tensor,
+    logits_ptr: tl.tensor,
+    weights_ptr: tl.tensor,
+    ids_ptr: tl.tensor,
+    tickets_ptr: tl.tensor,
+    partial_ptr: tl.tensor,
+    num_tokens: tl.tensor,
+    split_size: tl.tensor,
+    HIDDEN: tl.constexpr,
+    GIVEN_LOGITS: tl.constexpr,
+    SPLIT_FP32: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    SCORE: tl.constexpr,
+    PER_GROUP: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    TOP_K: tl.constexpr,
+    NORM_TOPK_PROB: tl.constexpr,
+    SCALE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SEL_ROWS: tl.constexpr,
+    E_PAD: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+) -> None:
+    """One (ROWS x COLS) tile of a hidden-size split's logits, then maybe the selection.
+
+    Program (block, column tile, split) sums hidden indices ``split * split_size`` up to
+    the next split's into its partial sums (``partial_ptr``, (splits, T, E); a buffer of
+    its own even for one split: ``torch.compile`` clones a kernel's mutated arguments
+    apart, so two of them must never alias). The token block's last program adds the
+    splits' partials in split order (deterministic) into the logits, then selects the
+    experts of its ROWS tokens, SEL_ROWS at a time (skipping rows past the last token).
+    ``GIVEN_LOGITS`` skips the GEMM (one program per block, selection only). Inputs are
+    contiguous.
+    """
+    num_experts: tl.constexpr = N_GROUP * PER_GROUP
+    block = tl.program_id(0)
+    splits = tl.num_programs(2)
+    last = True
+    if not GIVEN_LOGITS:
+        rows = block * ROWS + tl.arange(0, ROWS)
+        cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
+        row_ok, col_ok = rows < num_tokens, cols < num_experts
+        h_begin = tl.program_id(2) * split_size
+        h_end = tl.minimum(h_begin + split_size, HIDDEN)
+        acc = tl.zeros([ROWS, COLS], dtype=tl.float32)
+        for h0 in range(h_begin, h_end, BLOCK_H):
+            hs = h0 + tl.arange(0, BLOCK_H)
+            h_ok = hs < h_end
+            x = tl.load(
+                x_ptr + rows[:, None].to(tl.int64) * HIDDEN + hs[None, :],
+                mask=row_ok[:, None] & h_ok[None, :],
+                other=0.0,
+            )
+            w = tl.load(
+                w_ptr + cols[:, None] * HIDDEN + hs[None, :],
+                mask=col_ok[:, None] & h_ok[None, :],
+                other=0.0,
+            )
+            if SPLIT_FP32:
+                # w = hi + mid + lo, three bf16 parts (to 2^-24 relative): bf16 x times
+                # each is exact in float32, so three tensor-core products sum to x * w.
+                hi = w.to(tl.bfloat16)
+                rest = w - hi.to(tl.float32)
+                mid = rest.to(tl.bfloat16)
+                lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+                acc = tl.dot(x, tl.trans(hi), acc)
+                acc = tl.dot(x, tl.trans(mid), acc)
+                acc = tl.dot(x, tl.trans(lo), acc)
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
+        tile = rows[:, None].to(tl.int64) * num_experts + cols[None, :]
+        plane = tl.program_id(2).to(tl.int64) * num_tokens * num_experts
+        tl.store(partial_ptr + plane + tile, acc, mask=row_ok[:, None] & col_ok[None, :])
+        tl.debug_barrier()  # every thread's sums are written before the ticket is taken
+        ticket = tl.atomic_add(tickets_ptr + block, 1, sem="acq_rel")
+        last = ticket == tl.num_programs(1) * splits - 1
+        if last:
+            tl.atomic_xchg(tickets_ptr + block, 0)
+    if last:
+        for r in tl.static_range(0, ROWS, SEL_ROWS):
+            first = block * ROWS + r
+            if first < num_tokens:
+                if not GIVEN_LOGITS:
+                    _add_splits(partial_ptr, logits_ptr, first, num_tokens, splits,
+                                num_experts, E_PAD, SEL_ROWS)  # fmt: skip
+                select_experts(
+                    logits_ptr, num_experts, bias_ptr, weights_ptr, ids_ptr, first, num_tokens,
+                    SCALE, SCORE, PER_GROUP, N_GROUP, TOPK_GROUP, TOP_K, NORM_TOPK_PROB,
+                    BLOCK_G, BLOCK_J, BLOCK_K, SEL_ROWS,
+                )  # fmt: skip
+
+
+def ticket_buffer(max_num_tokens: int, device: torch.device | str | None) -> torch.Tensor:
+    """The zeroed int32 tickets a router's calls of up to ``max_num_tokens`` tokens use.
+
+    Every launch leaves them zero again. One call at a time per buffer (one stream).
+    """
+    blocks = triton.cdiv(max(max_num_tokens, 1), BLOCK_T)
+    return torch.zeros(blocks, dtype=torch.int32, device=device)
+
+
+@dataclass(frozen=True)
+class TritonRouter:
+    """One router's settings, checked once; calls launch the kernel.
+
+    Attributes:
+        score: ``SCORE_SOFTMAX`` or ``SCORE_SIGMOID``.
+        num_experts: E.
+        top_k: experts per token.
+        norm_topk_prob: renormalize the chosen weights.
+        n_group: router groups (``SCORE_SIGMOID``; 1 for no group limit).
+        topk_group: groups kept per token.
+        routed_scaling_factor: weight multiplier (``SCORE_SIGMOID``).
+
+    Raises:
+        ValueError: settings :func:`covers` rejects, or an unknown scoring.
+    """
+
+    score: int
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    _args: tuple[dict[str, Any], dict[str, Any]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.score not in (SCORE_SOFTMAX, SCORE_SIGMOID):
+            raise ValueError(f"router (triton): score={self.score}, expected 0 or 1")
+        if not covers(self.num_experts, self.top_k, self.n_group):
+            raise ValueError(
+                f"router (triton): E={self.num_experts}, top_k={self.top_k}, "
+                f"n_group={self.n_group} exceed the kernel's E <= {MAX_EXPERTS}, top_k <= "
+                f"{MAX_TOP_K}, n_group <= {MAX_GROUPS}; use the torch path"
+            )
+
+        object.__setattr__(self, "_args", (self._select_args(False), self._select_args(True)))
+
+    def _select_args(self, whole_block: bool) -> dict[str, Any]:
+        """The kernel's selection constants and launch width, built once.
+
+        ``whole_block``: calls of at least one full 16-token block select all 16 rows of
+        a block in one tile (8 warps where it holds over 2048 entries); smaller calls
+        select a few rows at a time (tiles of at most 2048 entries, 4 warps), so one token
+        pays for no padded rows.
+        """
+        per_group = self.num_experts // self.n_group
+        block_g, block_j = triton.next_power_of_2(self.n_group), triton.next_power_of_2(per_group)
+        tile = block_g * block_j  # one token's selection entries
+        return {
+            "SCORE": self.score,
+            "PER_GROUP": per_group,
+            "N_GROUP": self.n_group,
+            "TOPK_GROUP": self.topk_group,
+            "TOP_K": self.top_k,
+            "NORM_TOPK_PROB": self.norm_topk_prob,
+            "BLOCK_G": block_g,
+            "BLOCK_J": block_j,
+            "SCALE": float(self.routed_scaling_factor),
+            "BLOCK_K": triton.next_power_of_2(self.top_k),
+            "SEL_ROWS": BLOCK_T if whole_block else max(1, min(BLOCK_T, 2048 // tile)),
+            "E_PAD": triton.next_power_of_2(self.num_experts),
+            "num_warps": 8 if whole_block and BLOCK_T * tile > 2048 else 4,
+        }
+
+    def _launch_args(self, tokens: int) -> dict[str, Any]:
+        """The constants of a call of ``tokens`` tokens (a branch: dynamo guards on it)."""
+        if tokens >= BLOCK_T:
+            return self._args[1]
+        return self._args[0]
+
+    def route(
+        self,
+        hidden_states: torch.Tensor,
+        weight: torch.Tensor,
+        tickets: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Route ``hidden_states`` (T, H) bf16 with ``weight`` (E, H), bf16 or float32.
+
+        Args:
+            hidden_states: bf16 activations on CUDA (made contiguous if they are not).
+            weight: the router weight, contiguous (bf16: tensor-core products; float32:
+                IEEE float32 FMAs).
+            tickets: :func:`ticket_buffer` for at least T tokens (used by one call at a time).
+            bias: (E,) float32 selection bias (``SCORE_SIGMOID``), else None.
+
+        Returns:
+            ``(topk_weights float32, topk_ids int32, logits float32)``: (T, top_k) twice,
+            then (T, E).
+
+        Raises:
+            ValueError: more tokens than ``tickets`` serves.
+        """
+        hidden_states = hidden_states.contiguous()
+        tokens, hidden = hidden_states.shape
+        device = hidden_states.device
+        logits = torch.empty((tokens, self.num_experts), dtype=torch.float32, device=device)
+        weights = torch.empty((tokens, self.top_k), dtype=torch.float32, device=device)
+        ids = torch.empty((tokens, self.top_k), dtype=torch.int32, device=device)
+        if tokens == 0:
+            return weights, ids, logits
+        blocks = triton.cdiv(tokens, BLOCK_T)
+        if blocks > tickets.shape[0]:
+            raise ValueError(
+                f"router (triton): {tokens} tokens exceed the {tickets.shape[0] * BLOCK_T} its "
+                "ticket buffer serves; build the layer with a larger max_num_tokens"
+            )
+        fp32 = weight.dtype == torch.float32
+        block_h = 64 if fp32 else 128
+        column_tiles = triton.cdiv(self.num_experts, BLOCK_E)
+        # Few tokens make few (token block, column tile) programs: split the hidden size
+        # too, so that about SPLIT_PROGRAMS programs share the weight's read.
+        chunks = triton.cdiv(hidden, block_h)
+        wanted = max(1, min(MAX_SPLITS, SPLIT_PROGRAMS // (blocks * column_tiles), chunks))
+        split_size = triton.cdiv(chunks, wanted) * block_h
+        splits = triton.cdiv(hidden, split_size)
+        partial = torch.empty((splits, tokens, self.num_experts), dtype=torch.float32,
+                              device=device)  # fmt: skip
+        _route_kernel[(blocks, column_tiles, splits)](
+            hidden_states, weight, weight if bias is None else bias, logits, weights, ids,
+            tickets, partial, tokens, split_size, HIDDEN=hidden, GIVEN_LOGITS=False,
+            SPLIT_FP32=fp32, BLOCK_H=block_h, ROWS=BLOCK_T, COLS=BLOCK_E,
+            **self._launch_args(tokens),
+        )  # fmt: skip
+        return weights, ids, logits
+
+    def select(
+        self, logits: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The selection alone, on given contiguous float32 ``logits`` (T, E).
+
+        Returns:
+            ``(topk_weights float32, topk_ids int32)``, each (T, top_k).
+        """
+        tokens = logits.shape[0]
+        weights = torch.empty((tokens, self.top_k), dtype=torch.float32, device=logits.device)
+        ids = torch.empty((tokens, self.top_k), dtype=torch.int32, device=logits.device)
+        if tokens == 0:
+            return weights, ids
+        _route_kernel[(triton.cdiv(tokens, BLOCK_T), 1, 1)](
+            logits, logits, logits if bias is None else bias, logits, weights, ids, ids, logits,
+            tokens, 0, HIDDEN=1, GIVEN_LOGITS=True, SPLIT_FP32=False, BLOCK_H=16, ROWS=BLOCK_T,
+            COLS=BLOCK_E, **self._launch_args(tokens),
+        )  # fmt: skip
+        return weights, ids

@@ -1,0 +1,197 @@
+"""The one-launch router kernel (``megamoe.core.kernels.router_triton``) on a CUDA device.
+
+Oracles are written here from the rules, in float64 where the rule is arithmetic:
+
+- logits: ``x @ W^T`` in float64 from the same bf16 input and (bf16 or float32) weight;
+  the kernel sums in float32 in its own order, so it may differ by float32 rounding of a
+  sum of H products: ``LOGIT_TOL`` relative to each row's largest |logit|-scale term;
+- selection on the kernel's own logits (so a near-tie the GEMM's rounding moves cannot
+  flip the comparison): ids exactly, weights within ``WEIGHT_TOL`` of float64.
+
+Also: token counts that leave partial blocks (1, 15, 16, 17, 300, 1024), calls under 16
+tokens (selected a few rows at a time) against whole blocks, E not a multiple of the
+32-expert tile, repeated calls (the tickets come back to zero), CUDA-graph replay
+and ``torch.compile(fullgraph=True)`` equal to eager, and no host sync in a call.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megamoe.core.bitcheck import assert_bitwise_equal
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.filterwarnings("ignore:.*torch.jit:DeprecationWarning"),  # inductor's imports
+    pytest.mark.filterwarnings("ignore:.*TensorFloat32:UserWarning"),  # inductor's advice
+    pytest.mark.filterwarnings("ignore:.*Synchronization debug mode:UserWarning"),
+]
+
+LOGIT_TOL = 1e-5  # |kernel - float64| / sum_h |x_h w_h|, float32 sums of H products
+WEIGHT_TOL = 2e-6  # absolute, weights in [0, 1] (x routed_scaling_factor): a few float32 ulp
+TOKENS = (1, 15, 16, 17, 300, 1024)
+HIDDEN = 1024
+# name: (score, E, top_k, norm, weight dtype)
+ROUTERS = {
+    "qwen-softmax-norm": ("softmax", 64, 8, True, torch.bfloat16),
+    "softmax-no-norm-E72": ("softmax", 72, 6, False, torch.bfloat16),
+    "qwen4exp-E512": ("softmax", 512, 10, True, torch.bfloat16),
+    "glm-sigmoid-E288": ("sigmoid", 288, 8, True, torch.float32),
+    "sigmoid-no-norm-E64": ("sigmoid", 64, 4, False, torch.float32),
+}
+SCALE = 2.5  # routed_scaling_factor of the sigmoid routers
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    from megamoe.core.kernels import one_launch_router, router_triton
+
+    return one_launch_router, router_triton
+
+
+def _router(kernels, name: str, max_tokens: int = 1024):
+    one_launch_router, _ = kernels
+    score, experts, top_k, norm, dtype = ROUTERS[name]
+    extra = {"routed_scaling_factor": SCALE} if score == "sigmoid" else {}
+    router, tickets = one_launch_router(
+        score, max_tokens, "cuda", num_experts=experts, top_k=top_k, norm_topk_prob=norm, **extra
+    )
+    gen = torch.Generator().manual_seed(experts)
+    weight = (torch.randn(experts, HIDDEN, generator=gen) * 0.05).to(dtype).cuda()
+    bias = (torch.randn(experts, generator=gen) * 0.05).cuda() if score == "sigmoid" else None
+    return router, tickets, weight, bias
+
+
+def _oracle(name: str, logits: torch.Tensor, bias: torch.Tensor | None):
+    """Ids and float64 weights from the rule, on the given float32 logits."""
+    score, _, top_k, norm, _ = ROUTERS[name]
+    lg = logits.double()
+    if score == "softmax":
+        ids = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k]
+        chosen = lg.gather(1, ids)
+        top = lg.max(dim=-1, keepdim=True).values
+        exps = torch.exp(chosen - top)
+        total = exps.sum(-1, keepdim=True) if norm else torch.exp(lg - top).sum(-1, keepdim=True)
+        return ids, exps / total
+    scores = torch.sigmoid(logits)  # torch's float32 sigmoid: the kernel matches its bits
+    ids = torch.sort(scores + bias, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = scores.gather(1, ids).double()
+    if norm:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return ids, weights * SCALE
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("name", list(ROUTERS))
+def test_logits_and_selection_follow_the_rule(kernels, name: str, tokens: int) -> None:
+    router, tickets, weight, bias = _router(kernels, name)
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).bfloat16()
+    x = x.cuda()
+    weights, ids, logits = router.route(x, weight, tickets, bias)
+    exact = x.double() @ weight.double().t()
+    scale = x.double().abs() @ weight.double().abs().t()
+    err = float(((logits.double() - exact).abs() / scale).max())
+    print(f"{name}, {tokens} tokens: logits vs float64 {err:.2e}")
+    assert err <= LOGIT_TOL
+    want_ids, want_w = _oracle(name, logits, bias)
+    assert_bitwise_equal(ids, want_ids.to(torch.int32), f"{name} ids")
+    torch.testing.assert_close(weights.double(), want_w, rtol=0, atol=WEIGHT_TOL)
+    assert int(tickets.count_nonzero()) == 0, "a call left a ticket set"
+
+
+@pytest.mark.parametrize("name", ["qwen4exp-E512", "glm-sigmoid-E288"])
+def test_selection_alone_equals_the_fused_call(kernels, name: str) -> None:
+    router, tickets, weight, bias = _router(kernels, name)
+    x = torch.randn(300, HIDDEN, device="cuda").bfloat16()
+    weights, ids, logits = router.route(x, weight, tickets, bias)
+    alone_w, alone_ids = router.select(logits, bias)
+    assert_bitwise_equal(alone_ids, ids, "ids")
+    assert_bitwise_equal(alone_w, weights, "weights")
+
+
+@pytest.mark.parametrize("name", ["qwen4exp-E512", "glm-sigmoid-E288"])
+def test_small_calls_choose_as_whole_blocks_do(kernels, name: str) -> None:
+    """Under 16 tokens the selection runs a few rows at a time and the hidden size is split
+    more finely than for 32 tokens: the logits agree within float32 summation, the ids
+    exactly, the weights within a few ulp; and the selection of given logits is the
+    same bits in both tilings."""
+    router, tickets, weight, bias = _router(kernels, name)
+    x = torch.randn(32, HIDDEN, device="cuda").bfloat16()
+    weights, ids, logits = router.route(x, weight, tickets, bias)
+    few_w, few_ids, few_logits = router.route(x[:7], weight, tickets, bias)
+    scale = x[:7].double().abs() @ weight.double().abs().t()
+    assert float(((few_logits.double() - logits[:7].double()).abs() / scale).max()) <= LOGIT_TOL
+    assert_bitwise_equal(few_ids, ids[:7], "ids")
+    torch.testing.assert_close(few_w, weights[:7], rtol=0, atol=WEIGHT_TOL)
+    alone_w, alone_ids = router.select(logits[:7].contiguous(), bias)
+    whole_w, whole_ids = router.select(logits, bias)
+    assert_bitwise_equal(alone_ids, whole_ids[:7], "ids of given logits")
+    torch.testing.assert_close(alone_w, whole_w[:7], rtol=0, atol=WEIGHT_TOL)
+
+
+def test_repeated_calls_and_zero_tokens(kernels) -> None:
+    router, tickets, weight, bias = _router(kernels, "glm-sigmoid-E288")
+    x = torch.randn(77, HIDDEN, device="cuda").bfloat16()
+    first = router.route(x, weight, tickets, bias)
+    for _ in range(5):
+        again = router.route(x, weight, tickets, bias)
+        for a, b in zip(first, again, strict=True):
+            assert_bitwise_equal(a, b, "a repeated call")
+    weights, ids, logits = router.route(x[:0], weight, tickets, bias)
+    assert weights.shape == ids.shape == (0, 8) and logits.shape == (0, 288)
+
+
+def test_more_tokens_than_the_tickets_serve_is_refused(kernels) -> None:
+    router, tickets, weight, bias = _router(kernels, "qwen-softmax-norm", max_tokens=32)
+    router.route(torch.randn(32, HIDDEN, device="cuda").bfloat16(), weight, tickets, bias)
+    with pytest.raises(ValueError, match=r"33 tokens exceed the 32 .*larger max_num_tokens"):
+        router.route(torch.randn(33, HIDDEN, device="cuda").bfloat16(), weight, tickets, bias)
+
+
+def test_uncovered_router_has_no_kernel(kernels) -> None:
+    one_launch_router, router_triton = kernels
+    assert one_launch_router("softmax", 64, "cuda", num_experts=640, top_k=8,
+                             norm_topk_prob=True) == (None, None)  # fmt: skip
+    with pytest.raises(ValueError, match=r"E=640, top_k=8, n_group=1 exceed the kernel's E <= 512"):
+        router_triton.TritonRouter(router_triton.SCORE_SOFTMAX, 640, 8, True)
+
+
+def test_cuda_graph_replay_and_compile_equal_eager(kernels) -> None:
+    router, tickets, weight, bias = _router(kernels, "glm-sigmoid-E288")
+    static_x = torch.randn(128, HIDDEN, device="cuda").bfloat16()
+    router.route(static_x, weight, tickets, bias)  # compile the kernel before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = router.route(static_x, weight, tickets, bias)
+    for seed in (1, 2):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        static_x.copy_(torch.randn(static_x.shape, device="cuda", generator=gen))
+        graph.replay()
+        eager = router.route(static_x, weight, tickets, bias)
+        for a, b in zip(static, eager, strict=True):
+            assert_bitwise_equal(a, b, f"replay, seed {seed}")
+
+    def call(x: torch.Tensor):
+        return router.route(x, weight, tickets, bias)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(call, fullgraph=True)  # a graph break raises
+    for tokens in (1, 16, 300):
+        x = torch.randn(tokens, HIDDEN, device="cuda").bfloat16()
+        for a, b in zip(compiled(x), call(x), strict=True):
+            assert_bitwise_equal(a, b, f"compiled, {tokens} tokens")
+
+
+def test_a_call_makes_no_host_sync(kernels) -> None:
+    router, tickets, weight, bias = _router(kernels, "qwen4exp-E512")
+    x = torch.randn(64, HIDDEN, device="cuda").bfloat16()
+    router.route(x, weight, tickets, bias)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        router.route(x, weight, tickets, bias)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
