@@ -7,7 +7,8 @@ measures (CUDA-event medians after warm-up):
 - ``bare``: DeepGEMM's ``mega_moe_pre_dispatch_sm90`` + ``fp8_mega_moe`` on the same
   weights and routing, called directly (no megamoe code in between);
 - the block's parts alone: ``router``, ``shared`` expert, ``experts`` module;
-- the block ``eager`` (auxiliary stream on and ``serial``), ``compiled``
+- the block ``eager`` (its default: the shared expert issued after the MegaMoE launch on
+  the same stream) and ``aux`` (``use_aux_stream=True``: beside the router), ``compiled``
   (``torch.compile(fullgraph=True)``, dynamic token count) and ``graphed`` (a CUDA graph of
   the eager block, replayed);
 
@@ -49,7 +50,7 @@ COLUMNS = (
     ("shared", ">7.1f", "shared_us"),
     ("experts", ">8.1f", "experts_us"),
     ("eager", ">7.1f", "eager_us"),
-    ("serial", ">7.1f", "serial_us"),
+    ("aux", ">7.1f", "aux_us"),
     ("compiled", ">8.1f", "compiled_us"),
     ("graphed", ">8.1f", "graphed_us"),
     ("b+s graphed", ">11.1f", "bare_shared_graphed_us"),
@@ -141,7 +142,7 @@ def bare_kernel(
 def measure(
     name: str,
     block: MoEBlock,
-    serial: MoEBlock,
+    aux: MoEBlock,
     compiled: Callable[[torch.Tensor], torch.Tensor] | None,
     count: int,
     args: argparse.Namespace,
@@ -165,7 +166,7 @@ def measure(
             "shared_us": time(lambda: shared(x)),
             "experts_us": time(lambda: block.experts(x, weights, ids)),
             "eager_us": time(lambda: block(x)),
-            "serial_us": time(lambda: serial(x)),
+            "aux_us": time(lambda: aux(x)),
             "graphed_us": time(cuda_graph_replay(lambda: block(x))),
             "bare_shared_graphed_us": time(
                 cuda_graph_replay(lambda: (shared(x), bare(x, weights, ids))[1])
@@ -206,8 +207,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     for name in args.adapters.split(","):
         adapter, cfg = adapters[name], config(adapters[name], args)
         weights = list(tensors(name, args))
-        block = build(adapter, cfg, weights, aux=True, tokens=max(counts))
-        serial = build(adapter, cfg, weights, aux=False, tokens=max(counts))
+        block = build(adapter, cfg, weights, aux=False, tokens=max(counts))
+        aux = build(adapter, cfg, weights, aux=True, tokens=max(counts))
         del weights
         print(f"{name}: E={args.experts} top-{args.top_k} H={args.hidden} I={args.intermediate} "
               f"shared I={args.shared_intermediate}, {block.experts.weight_format.value}, "
@@ -215,8 +216,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         torch._dynamo.reset()
         compiled = None if args.no_compile else torch.compile(block, fullgraph=True, dynamic=True)
         for count in counts:
-            rows.append(measure(name, block, serial, compiled, count, args))
-        del block, serial, compiled
+            rows.append(measure(name, block, aux, compiled, count, args))
+        del block, aux, compiled
         torch.cuda.empty_cache()
     cells = [[r.get(key) for _, _, key in COLUMNS] for r in rows]
     print(format_table([(title, spec) for title, spec, _ in COLUMNS], cells))
