@@ -150,6 +150,15 @@ def test_more_tokens_than_the_tickets_serve_is_refused(kernels) -> None:
         router.route(torch.randn(33, HIDDEN, device="cuda").bfloat16(), weight, tickets, bias)
 
 
+def test_other_dtypes_are_refused_by_name(kernels) -> None:
+    router, tickets, weight, bias = _router(kernels, "qwen-softmax-norm")
+    x = torch.randn(4, HIDDEN, device="cuda")
+    with pytest.raises(ValueError, match=r"activations are torch.float32 .*expected bf16"):
+        router.route(x, weight, tickets, bias)
+    with pytest.raises(ValueError, match=r"the weight torch.float16; expected"):
+        router.route(x.bfloat16(), weight.half(), tickets, bias)
+
+
 def test_uncovered_router_has_no_kernel(kernels) -> None:
     one_launch_router, router_triton = kernels
     assert one_launch_router("softmax", 64, "cuda", num_experts=640, top_k=8,

@@ -23,6 +23,7 @@ from megamoe.core.kernels import TRITON_AVAILABLE, one_launch_router
 from megamoe.glm5next.config import ROUTER_TOP2, Glm5NextConfig
 
 NORM_EPS = 1e-20  # added to the renormalization's denominator, as the model does
+BF16 = torch.bfloat16  # the activations the one-launch kernel takes; others run the torch path
 DEFAULT_MAX_TOKENS = 8192  # tokens per forward a router serves unless told (its kernel tickets)
 
 
@@ -201,10 +202,10 @@ def route_logits(
 class Glm5NextRouter(torch.nn.Module):
     """The router of one MoE layer; its parameters are named as in the checkpoint.
 
-    On CUDA with Triton, for covered shapes (``router_triton.triton_covers``), ``forward`` is
-    one kernel launch: the logits GEMM and the selection together
-    (``megamoe.core.kernels.router_triton``). Elsewhere it is the torch path,
-    :func:`router_logits` then :func:`route_logits`.
+    On CUDA with Triton, for covered shapes (``router_triton.triton_covers``) and bf16
+    activations (what the block passes), ``forward`` is one kernel launch: the logits GEMM
+    and the selection together (``megamoe.core.kernels.router_triton``). Elsewhere it is
+    the torch path, :func:`router_logits` then :func:`route_logits`.
 
     Attributes:
         weight: (E, H) float32 router weight (``gate.weight``; bf16 in checkpoints is
@@ -249,7 +250,7 @@ class Glm5NextRouter(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing weights (float32) and expert ids (int32) of each token, (tokens, top_k)."""
-        if self.kernel is not None and hidden_states.is_cuda:
+        if self.kernel is not None and hidden_states.is_cuda and hidden_states.dtype == BF16:
             weights, ids, _ = self.kernel.route(
                 hidden_states, self.weight, self.tickets, self.e_score_correction_bias
             )

@@ -75,6 +75,7 @@ _KEY_NAN = tl.constexpr(0x7FFFFFFF)  # int32 key of every NaN: above +inf's 0x7F
 _LOW_MAX = tl.constexpr(0x7FFFFFFF)  # a packed key's low word: index ^ _LOW_MAX
 _MASKED = tl.constexpr(-(2**63))  # packed key of a padded, excluded or chosen entry
 _NORM_EPS = tl.constexpr(NORM_EPS)
+_WEIGHT_DTYPES = (torch.bfloat16, torch.float32)  # bf16: one product; float32: three
 
 
 def covers(num_experts: int, top_k: int, n_group: int) -> bool:
@@ -427,8 +428,15 @@ class TritonRouter:
             then (T, E).
 
         Raises:
-            ValueError: more tokens than ``tickets`` serves.
+            ValueError: more tokens than ``tickets`` serves, or activations that are not
+                bf16 or a weight that is neither bf16 nor float32.
         """
+        if hidden_states.dtype != torch.bfloat16 or weight.dtype not in _WEIGHT_DTYPES:
+            raise ValueError(
+                f"router (triton): activations are {hidden_states.dtype} and the weight "
+                f"{weight.dtype}; expected bf16 activations and a bf16 or float32 weight "
+                "(cast them, or use the torch path)"
+            )
         hidden_states = hidden_states.contiguous()
         tokens, hidden = hidden_states.shape
         device = hidden_states.device
