@@ -15,17 +15,18 @@ from -120 to 120 and the special values, bit for bit on the H200 with Triton 3.6
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 
-from megamoe.core.kernels.router_triton import SCORE_SIGMOID, TritonRouter, covers
+from megamoe.core.kernels.router_triton import SCORE_SIGMOID, TritonRouter
+from megamoe.core.kernels.router_triton import covers as triton_covers
 from megamoe.glm5next.router import check_group_settings
 
 __all__ = ["grouped_topk_triton", "triton_covers"]
 
-
-def triton_covers(num_experts: int, top_k: int, n_group: int) -> bool:
-    """Whether the kernel handles this router (E <= 512, top-k <= 16, at most 16 groups)."""
-    return covers(num_experts, top_k, n_group)
+# One kernel object per setting, built and checked on the first call with it.
+_kernel = cache(TritonRouter)
 
 
 def grouped_topk_triton(
@@ -63,14 +64,15 @@ def grouped_topk_triton(
             f"router (triton): logits are {logits.dtype} and the bias {correction_bias.dtype}; "
             "both must be torch.float32 (the router runs in float32)"
         )
-    kernel = TritonRouter(
+    # raises for shapes the kernel does not cover
+    kernel = _kernel(
         SCORE_SIGMOID,
         num_experts,
         top_k,
-        norm_topk_prob,
+        bool(norm_topk_prob),
         n_group,
         topk_group,
-        routed_scaling_factor,
-    )  # fmt: skip  (raises for shapes the kernel does not cover)
+        float(routed_scaling_factor),
+    )
     check_group_settings(num_experts, correction_bias, top_k, n_group, topk_group)
     return kernel.select(logits.contiguous(), correction_bias.contiguous())

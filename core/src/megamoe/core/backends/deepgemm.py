@@ -58,7 +58,7 @@ from megamoe.core.formats import (
     detect_arch,
 )
 from megamoe.core.l1_order import L1RowOrder
-from megamoe.core.tagging import check_tags
+from megamoe.core.tagging import KernelTag, check_tags
 
 if TYPE_CHECKING:
     from megamoe.core.experts import MegaMoEExperts
@@ -225,6 +225,7 @@ class DeepGemmBackend(ExpertsBackend):
         self._bound_tokens = False  # pass num_tokens_bound (0.2.5's fp8_mega_moe, one rank)
         self._shared_args: dict[str, Any] = {}  # the fused shared experts' kernel arguments
         self._tagged: dict[str, torch.Tensor] = {}  # kernel_weights, gathered once per prepare
+        self._buffer_check: tuple[KernelTag, dict[str, Any]] | None = None  # its tag, by name
         self._clamp: dict[str, float] = {}  # activation_clamp where the experts clamp
 
     @classmethod
@@ -335,6 +336,10 @@ class DeepGemmBackend(ExpertsBackend):
         if self._shared_layout is not None:  # its tensors are allocated once, then rewritten
             self._shared_args = _shared_weights(kind, self._shared_layout)
         self._tagged = self.kernel_weights
+        self._buffer_check = (
+            experts.kernel_tag.buffer_tag,
+            {"symmetric buffer": self._entry.buffer},
+        )
         limit = experts.swiglu_limit
         self._clamp = {} if limit is None else {CLAMP_KEYWORD: limit}
         one_rank = self._entry.key.group.size() == 1  # type: ignore[attr-defined]
@@ -382,7 +387,12 @@ class DeepGemmBackend(ExpertsBackend):
             FormatMismatchError: the buffer or kernel tensors carry another format's tag.
         """
         label = experts.layout.label
-        if self._layout is None or self._entry is None or self._kernel is None:
+        if (
+            self._layout is None
+            or self._entry is None
+            or self._kernel is None
+            or self._buffer_check is None
+        ):
             raise RuntimeError(
                 f"{label}: the DeepGEMM backend has no kernel weights; call finalize() first"
             )
@@ -394,7 +404,7 @@ class DeepGemmBackend(ExpertsBackend):
                 f"{entry.capacity} tokens per rank; raise max_num_tokens (now "
                 f"{experts.max_num_tokens}) when building the layer, or split the batch"
             )
-        check_tags(experts.kernel_tag.buffer_tag, {"symmetric buffer": entry.buffer}, label)
+        check_tags(*self._buffer_check, label)
         check_tags(experts.kernel_tag, self._tagged, label)
         l1w, l1s, l2w, l2s = self._layout.pieces
         buf = entry.buffer

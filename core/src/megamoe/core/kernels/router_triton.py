@@ -418,8 +418,8 @@ class TritonRouter:
 
         Args:
             hidden_states: bf16 activations on CUDA (made contiguous if they are not).
-            weight: the router weight, contiguous (bf16: tensor-core products; float32:
-                IEEE float32 FMAs).
+            weight: the router weight, contiguous (bf16: one tensor-core product; float32:
+                three, of its exact bf16 parts).
             tickets: :func:`ticket_buffer` for at least T tokens (used by one call at a time).
             bias: (E,) float32 selection bias (``SCORE_SIGMOID``), else None.
 
