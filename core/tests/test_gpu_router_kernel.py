@@ -8,10 +8,11 @@ Oracles are written here from the rules, in float64 where the rule is arithmetic
 - selection on the kernel's own logits (so a near-tie the GEMM's rounding moves cannot
   flip the comparison): ids exactly, weights within ``WEIGHT_TOL`` of float64.
 
-Also: token counts that leave partial blocks (1, 15, 16, 17, 300, 1024), calls under 16
-tokens (selected a few rows at a time) against whole blocks, E not a multiple of the
-32-expert tile, repeated calls (the tickets come back to zero), CUDA-graph replay
-and ``torch.compile(fullgraph=True)`` equal to eager, and no host sync in a call.
+Also: token counts that leave partial blocks (1, 15, 16, 17, 300, 1024; from 256 the
+logits are torch's GEMM's bits), calls under 16 tokens (selected a few rows at a time)
+against whole blocks, E not a multiple of the 32-expert tile, repeated calls (the tickets
+come back to zero), direct launches equal to the JIT's and keyed per router, CUDA-graph
+replay and ``torch.compile(fullgraph=True)`` equal to eager, and no host sync in a call.
 """
 
 from __future__ import annotations
@@ -192,6 +193,59 @@ def test_cuda_graph_replay_and_compile_equal_eager(kernels) -> None:
         x = torch.randn(tokens, HIDDEN, device="cuda").bfloat16()
         for a, b in zip(compiled(x), call(x), strict=True):
             assert_bitwise_equal(a, b, f"compiled, {tokens} tokens")
+
+
+@pytest.mark.parametrize("tokens", [1, 40, 300])
+def test_direct_launches_equal_the_jits(kernels, tokens: int) -> None:
+    """After a variant's first call the kernel is launched without Triton's JIT
+    (``kernels.launch.KernelLaunch``); with a launch hook installed (as profilers do) every
+    call goes through the JIT: the same bits, and the hook sees it."""
+    from triton import knobs
+
+    router, tickets, weight, bias = _router(kernels, "glm-sigmoid-E288")
+    x = torch.randn(tokens, HIDDEN, device="cuda").bfloat16()
+    router.route(x, weight, tickets, bias)  # the JIT's launch, compiling the variant
+    direct = router.route(x, weight, tickets, bias)
+    seen: list[object] = []
+    installed = knobs.runtime.launch_enter_hook
+    knobs.runtime.launch_enter_hook = seen.append
+    try:
+        jit = router.route(x, weight, tickets, bias)
+    finally:
+        knobs.runtime.launch_enter_hook = installed
+    assert seen, "with a launch hook the call did not go through Triton's JIT"
+    for a, b in zip(direct, jit, strict=True):
+        assert_bitwise_equal(a, b, f"direct launch, {tokens} tokens")
+
+
+def test_routers_of_other_settings_keep_their_own_kernels(kernels) -> None:
+    """Direct launches are keyed by every constant: calls of two routers of one hidden size
+    and token count, interleaved, each give what that router gives alone."""
+    names = ("qwen-softmax-norm", "sigmoid-no-norm-E64")
+    routers = [_router(kernels, name) for name in names]
+    x = torch.randn(9, HIDDEN, device="cuda").bfloat16()
+    alone = [router.route(x, weight, tickets, bias) for router, tickets, weight, bias in routers]
+    for _ in range(2):
+        for (router, tickets, weight, bias), first, name in zip(routers, alone, names, strict=True):
+            for a, b in zip(router.route(x, weight, tickets, bias), first, strict=True):
+                assert_bitwise_equal(a, b, f"{name} after the other router")
+
+
+@pytest.mark.parametrize("name", ["qwen4exp-E512", "glm-sigmoid-E288"])
+def test_large_calls_take_torchs_gemm_for_the_logits(kernels, name: str) -> None:
+    """From ``matmul_tokens`` on, the logits are torch's GEMM's bits (bf16 weight: a float32
+    output; float32 weight: widened activations) and the selection is the kernel's."""
+    router, tickets, weight, bias = _router(kernels, name)
+    x = torch.randn(router.matmul_tokens, HIDDEN, device="cuda").bfloat16()
+    weights, ids, logits = router.route(x, weight, tickets, bias)
+    if weight.dtype == torch.bfloat16:
+        want = torch.mm(x, weight.t(), out_dtype=torch.float32)
+    else:
+        want = torch.mm(x.float(), weight.t())
+    assert_bitwise_equal(logits, want, "logits")
+    alone_w, alone_ids = router.select(want, bias)
+    assert_bitwise_equal(ids, alone_ids, "ids")
+    assert_bitwise_equal(weights, alone_w, "weights")
 
 
 def test_a_call_makes_no_host_sync(kernels) -> None:

@@ -4,7 +4,8 @@ Nothing here is imported by the rest of core at import time: ``quant.requantize`
 ``megamoe.core.kernels.requant_triton`` on first use for CUDA tensors and falls back to
 torch when Triton is missing, so core works without Triton (CPU CI has none).
 ``router_triton`` is the adapters' routers in one launch, taken where
-``TRITON_AVAILABLE`` and the tensors are on CUDA.
+``TRITON_AVAILABLE`` and the tensors are on CUDA; ``launch`` relaunches a compiled Triton
+kernel without the JIT's per-call work.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ one launch:
 1. Every program multiplies a (16 tokens x ``BLOCK_E`` experts) tile of logits over the
    hidden size on tensor cores, summing in float32, and stores it. Calls with few tokens
    make few such programs, so the hidden size is split too (about 256 programs share the
-   weight's read); each split stores partial sums, which the last program adds in split
-   order: deterministic for a given token count. A float32 weight (GLM's) is split in
+   weight's read); then each split stores partial sums, which the last program adds in
+   split order: deterministic for a given token count. A float32 weight (GLM's) is split in
    registers into three bf16 parts (``hi + mid + lo``, the weight to 2^-24 relative)
    whose products with the bf16 input are exact, so the logits are as accurate as a
    float32 GEMM's.
@@ -17,6 +17,12 @@ one launch:
    acquire); the last program of a token block resets its ticket to 0 (so the next call,
    and every CUDA-graph replay, starts from zero), adds the splits, and selects the
    experts of its 16 tokens from the finished logits rows.
+
+Calls of ``MATMUL_TOKENS`` (256) tokens or more take torch's GEMM (cuBLAS) for the
+logits and launch the selection alone: 16-token tiles read the weight once per 16 tokens,
+and at 1024 tokens the fused kernel took 2.4x (GLM) to 7.5x (Qwen4-Exp) cuBLAS's GPU time
+on the H200. After a variant's first call the launch skips Triton's JIT
+(``kernels.launch.KernelLaunch``): 47 instead of 89 us of host time per call there.
 
 Selection (:func:`select_experts`, the 16 tokens of a block at once, each token's row a
 (groups x experts per group) tile in registers) has two scorings:
@@ -42,20 +48,24 @@ differs between shapes; the adapters' GPU tests bound them against float64.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from megamoe.core.kernels.launch import KernelLaunch, aligned
+
 __all__ = [
+    "LAUNCH_SHAPES",
     "MAX_EXPERTS",
     "MAX_GROUPS",
     "MAX_TOP_K",
     "NORM_EPS",
     "SCORE_SIGMOID",
     "SCORE_SOFTMAX",
+    "LaunchShape",
     "TritonRouter",
     "covers",
     "ticket_buffer",
@@ -227,7 +237,7 @@ def _add_splits(
     tl.debug_barrier()  # the selection reads these rows back
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "split_size"])
 def _route_kernel(
     x_ptr: tl.tensor,
     w_ptr: tl.tensor,
@@ -242,6 +252,7 @@ def _route_kernel(
     HIDDEN: tl.constexpr,
     GIVEN_LOGITS: tl.constexpr,
     SPLIT_FP32: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
     SCORE: tl.constexpr,
     PER_GROUP: tl.constexpr,
@@ -261,13 +272,13 @@ def _route_kernel(
     """One (ROWS x COLS) tile of a hidden-size split's logits, then maybe the selection.
 
     Program (block, column tile, split) sums hidden indices ``split * split_size`` up to
-    the next split's into its partial sums (``partial_ptr``, (splits, T, E); a buffer of
-    its own even for one split: ``torch.compile`` clones a kernel's mutated arguments
-    apart, so two of them must never alias). The token block's last program adds the
-    splits' partials in split order (deterministic) into the logits, then selects the
-    experts of its ROWS tokens, SEL_ROWS at a time (skipping rows past the last token).
-    ``GIVEN_LOGITS`` skips the GEMM (one program per block, selection only). Inputs are
-    contiguous.
+    the next split's. With ``SPLIT_K`` it stores them as partial sums (``partial_ptr``,
+    (splits, T, E)), which the token block's last program adds in split order
+    (deterministic) into the logits; without, straight into the logits (``partial_ptr``
+    is then unused: never an alias of a written argument, which ``torch.compile`` would
+    clone apart). The block's last program then selects the experts of its ROWS tokens,
+    SEL_ROWS at a time (skipping rows past the last token). ``GIVEN_LOGITS`` skips the
+    GEMM (one program per block, selection only). Inputs are contiguous.
     """
     num_experts: tl.constexpr = N_GROUP * PER_GROUP
     block = tl.program_id(0)
@@ -306,8 +317,12 @@ def _route_kernel(
             else:
                 acc = tl.dot(x, tl.trans(w), acc)
         tile = rows[:, None].to(tl.int64) * num_experts + cols[None, :]
-        plane = tl.program_id(2).to(tl.int64) * num_tokens * num_experts
-        tl.store(partial_ptr + plane + tile, acc, mask=row_ok[:, None] & col_ok[None, :])
+        tile_ok = row_ok[:, None] & col_ok[None, :]
+        if SPLIT_K:
+            plane = tl.program_id(2).to(tl.int64) * num_tokens * num_experts
+            tl.store(partial_ptr + plane + tile, acc, mask=tile_ok)
+        else:
+            tl.store(logits_ptr + tile, acc, mask=tile_ok)
         tl.debug_barrier()  # every thread's sums are written before the ticket is taken
         ticket = tl.atomic_add(tickets_ptr + block, 1, sem="acq_rel")
         last = ticket == tl.num_programs(1) * splits - 1
@@ -317,7 +332,7 @@ def _route_kernel(
         for r in tl.static_range(0, ROWS, SEL_ROWS):
             first = block * ROWS + r
             if first < num_tokens:
-                if not GIVEN_LOGITS:
+                if SPLIT_K:
                     _add_splits(partial_ptr, logits_ptr, first, num_tokens, splits,
                                 num_experts, E_PAD, SEL_ROWS)  # fmt: skip
                 select_experts(
@@ -327,6 +342,9 @@ def _route_kernel(
                 )  # fmt: skip
 
 
+_launch = KernelLaunch(_route_kernel, runtime_args=10)
+
+
 def ticket_buffer(max_num_tokens: int, device: torch.device | str | None) -> torch.Tensor:
     """The zeroed int32 tickets a router's calls of up to ``max_num_tokens`` tokens use.
 
@@ -334,6 +352,76 @@ def ticket_buffer(max_num_tokens: int, device: torch.device | str | None) -> tor
     """
     blocks = triton.cdiv(max(max_num_tokens, 1), BLOCK_T)
     return torch.zeros(blocks, dtype=torch.int32, device=device)
+
+
+@dataclass(frozen=True)
+class LaunchShape:
+    """How calls of ``min_tokens`` tokens and more (up to the next shape's) are tiled.
+
+    Attributes:
+        min_tokens: the smallest call this shape serves.
+        rows: tokens per program (its GEMM tile's rows, and its ticket's block).
+        cols: experts per program.
+        block_h: hidden indices per step with a bf16 weight (a float32 one takes half).
+        programs: the hidden size is split (up to ``MAX_SPLITS``) until about this many
+            programs share the weight's read.
+        select_entries: the selection tile's size at most, rows times a token's entries
+            (one row at least, 16 at most).
+        num_warps: the launch's warps; None: 8 where the selection tile holds more than
+            2048 entries, else 4.
+    """
+
+    min_tokens: int
+    rows: int = BLOCK_T
+    cols: int = BLOCK_E
+    block_h: int = 128
+    programs: int = SPLIT_PROGRAMS
+    select_entries: int = 2048
+    num_warps: int | None = None
+
+
+# Few tokens: a few rows selected at a time, so one token pays for no padded rows; whole
+# 16-token blocks: one block's rows at once.
+LAUNCH_SHAPES = (LaunchShape(1), LaunchShape(BLOCK_T, select_entries=BLOCK_T * MAX_EXPERTS))
+# From this many tokens a call takes torch's GEMM (cuBLAS) for the logits and the kernel for
+# the selection alone: 16-token tiles read the weight once per 16 tokens, and on the H200
+# the fused kernel took 2.4-7.5x the GPU time of cuBLAS's GEMM alone at 256-1024 tokens
+# (docs/gpu.md); there the second launch costs less than it saves.
+MATMUL_TOKENS = 256
+
+
+def _matmul_logits(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight^T`` in float32 by torch's GEMM (exact products, float32 sums).
+
+    A bf16 weight goes straight to a float32 output; a float32 one meets the widened
+    activations.
+    """
+    if weight.dtype == torch.bfloat16:
+        return torch.mm(hidden_states, weight.t(), out_dtype=torch.float32)
+    return torch.mm(hidden_states.float(), weight.t())
+
+
+class _Plan(NamedTuple):
+    """One call size's launch: grid, split size, constants and the variant they make."""
+
+    grid: tuple[int, int, int]
+    split_size: int
+    constexprs: tuple[Any, ...]
+    num_warps: int
+    variant: tuple[Any, ...]
+
+
+def _variant(plan: _Plan, *inputs: torch.Tensor) -> tuple | None:
+    """The launch's variant key in eager mode, None under ``torch.compile``.
+
+    The key: every constexpr and the warps (``plan.variant``), then the device and each
+    input's dtype and alignment (the outputs are fresh allocations of fixed dtypes,
+    aligned). ``torch.compile`` launches through the JIT (and cannot trace ``data_ptr``).
+    """
+    if torch.compiler.is_compiling():
+        return None
+    inputs_key = tuple((tensor.dtype, aligned(tensor.data_ptr())) for tensor in inputs)
+    return (*plan.variant, inputs[0].device.index, *inputs_key)
 
 
 @dataclass(frozen=True)
@@ -348,6 +436,9 @@ class TritonRouter:
         n_group: router groups (``SCORE_SIGMOID``; 1 for no group limit).
         topk_group: groups kept per token.
         routed_scaling_factor: weight multiplier (``SCORE_SIGMOID``).
+        shapes: the launch shapes by call size (``LAUNCH_SHAPES``; benchmarks try others).
+        matmul_tokens: calls of this many tokens or more compute the logits with torch's
+            GEMM, then launch the selection alone (``MATMUL_TOKENS``).
 
     Raises:
         ValueError: settings :func:`covers` rejects, or an unknown scoring.
@@ -360,7 +451,11 @@ class TritonRouter:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
-    _args: tuple[dict[str, Any], dict[str, Any]] = field(init=False, repr=False, compare=False)
+    shapes: tuple[LaunchShape, ...] = LAUNCH_SHAPES
+    matmul_tokens: int = MATMUL_TOKENS
+    _plans: dict[tuple[int, int, bool, bool], _Plan] = field(
+        init=False, repr=False, compare=False, default_factory=dict
+    )
 
     def __post_init__(self) -> None:
         if self.score not in (SCORE_SOFTMAX, SCORE_SIGMOID):
@@ -371,41 +466,79 @@ class TritonRouter:
                 f"n_group={self.n_group} exceed the kernel's E <= {MAX_EXPERTS}, top_k <= "
                 f"{MAX_TOP_K}, n_group <= {MAX_GROUPS}; use the torch path"
             )
+        first = self.shapes[0].min_tokens if self.shapes else None
+        if first != 1:
+            raise ValueError(
+                f"router (triton): the launch shapes start at {first} tokens; the first "
+                "must serve calls of 1 token (min_tokens=1)"
+            )
 
-        object.__setattr__(self, "_args", (self._select_args(False), self._select_args(True)))
+    def _shape(self, tokens: int) -> LaunchShape:
+        """The launch shape of a call of ``tokens`` tokens (branches: dynamo guards on them)."""
+        chosen = self.shapes[0]
+        for shape in self.shapes[1:]:
+            if tokens >= shape.min_tokens:
+                chosen = shape
+        return chosen
 
-    def _select_args(self, whole_block: bool) -> dict[str, Any]:
-        """The kernel's selection constants and launch width, built once.
+    def _plan(self, tokens: int, hidden: int, fp32: bool, given_logits: bool) -> _Plan:
+        """The launch of a call: its shape, hidden-size splits and constants.
 
-        ``whole_block``: calls of at least one full 16-token block select all 16 rows of
-        a block in one tile (8 warps where it holds over 2048 entries); smaller calls
-        select a few rows at a time (tiles of at most 2048 entries, 4 warps), so one token
-        pays for no padded rows.
+        The selection alone (``given_logits``) takes the shape of at most 16 tokens: its
+        programs are token blocks, and larger blocks would only select more serially.
         """
+        shape = self._shape(min(tokens, BLOCK_T) if given_logits else tokens)
         per_group = self.num_experts // self.n_group
         block_g, block_j = triton.next_power_of_2(self.n_group), triton.next_power_of_2(per_group)
-        tile = block_g * block_j  # one token's selection entries
-        return {
+        entries = block_g * block_j  # one token's selection entries
+        sel_rows = max(1, min(BLOCK_T, shape.rows, shape.select_entries // entries))
+        blocks = triton.cdiv(tokens, shape.rows)
+        block_h = shape.block_h // 2 if fp32 else shape.block_h
+        if given_logits:
+            grid, split_size, hidden, block_h = (blocks, 1, 1), 0, 1, 16
+        else:
+            # Few programs: split the hidden size too, so that about ``shape.programs``
+            # programs share the weight's read.
+            column_tiles = triton.cdiv(self.num_experts, shape.cols)
+            chunks = triton.cdiv(hidden, block_h)
+            wanted = max(1, min(MAX_SPLITS, shape.programs // (blocks * column_tiles), chunks))
+            split_size = triton.cdiv(chunks, wanted) * block_h
+            grid = (blocks, column_tiles, triton.cdiv(hidden, split_size))
+        split_k = grid[2] > 1
+        values = {
+            "HIDDEN": hidden,
+            "GIVEN_LOGITS": given_logits,
+            "SPLIT_FP32": fp32,
+            "SPLIT_K": split_k,
+            "BLOCK_H": block_h,
             "SCORE": self.score,
             "PER_GROUP": per_group,
             "N_GROUP": self.n_group,
             "TOPK_GROUP": self.topk_group,
             "TOP_K": self.top_k,
             "NORM_TOPK_PROB": self.norm_topk_prob,
+            "SCALE": float(self.routed_scaling_factor),
             "BLOCK_G": block_g,
             "BLOCK_J": block_j,
-            "SCALE": float(self.routed_scaling_factor),
             "BLOCK_K": triton.next_power_of_2(self.top_k),
-            "SEL_ROWS": BLOCK_T if whole_block else max(1, min(BLOCK_T, 2048 // tile)),
+            "SEL_ROWS": sel_rows,
             "E_PAD": triton.next_power_of_2(self.num_experts),
-            "num_warps": 8 if whole_block and BLOCK_T * tile > 2048 else 4,
+            "ROWS": shape.rows,
+            "COLS": shape.cols,
         }
+        constexprs = _launch.constexprs(values)
+        warps = shape.num_warps or (8 if sel_rows * entries > 2048 else 4)
+        return _Plan(grid, split_size, constexprs, warps, (*constexprs, warps))
 
-    def _launch_args(self, tokens: int) -> dict[str, Any]:
-        """The constants of a call of ``tokens`` tokens (a branch: dynamo guards on it)."""
-        if tokens >= BLOCK_T:
-            return self._args[1]
-        return self._args[0]
+    def _cached_plan(self, tokens: int, hidden: int, fp32: bool, given_logits: bool) -> _Plan:
+        """:meth:`_plan`, kept per call size in eager mode (dynamo traces it instead)."""
+        if torch.compiler.is_compiling():
+            return self._plan(tokens, hidden, fp32, given_logits)
+        key = (tokens, hidden, fp32, given_logits)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan(tokens, hidden, fp32, given_logits)
+        return plan
 
     def route(
         self,
@@ -423,6 +556,9 @@ class TritonRouter:
             tickets: :func:`ticket_buffer` for at least T tokens (used by one call at a time).
             bias: (E,) float32 selection bias (``SCORE_SIGMOID``), else None.
 
+        Calls of ``matmul_tokens`` tokens or more take torch's GEMM for the logits (exact
+        products, float32 sums, like the kernel's) and launch the selection alone.
+
         Returns:
             ``(topk_weights float32, topk_ids int32, logits float32)``: (T, top_k) twice,
             then (T, E).
@@ -439,34 +575,33 @@ class TritonRouter:
             )
         hidden_states = hidden_states.contiguous()
         tokens, hidden = hidden_states.shape
+        if tokens > tickets.shape[0] * BLOCK_T:
+            raise ValueError(
+                f"router (triton): {tokens} tokens exceed the {tickets.shape[0] * BLOCK_T} its "
+                "ticket buffer serves; build the layer with a larger max_num_tokens"
+            )
+        if tokens >= self.matmul_tokens:
+            logits = _matmul_logits(hidden_states, weight)
+            return (*self.select(logits, bias), logits)
         device = hidden_states.device
         logits = torch.empty((tokens, self.num_experts), dtype=torch.float32, device=device)
         weights = torch.empty((tokens, self.top_k), dtype=torch.float32, device=device)
         ids = torch.empty((tokens, self.top_k), dtype=torch.int32, device=device)
         if tokens == 0:
             return weights, ids, logits
-        blocks = triton.cdiv(tokens, BLOCK_T)
-        if blocks > tickets.shape[0]:
-            raise ValueError(
-                f"router (triton): {tokens} tokens exceed the {tickets.shape[0] * BLOCK_T} its "
-                "ticket buffer serves; build the layer with a larger max_num_tokens"
-            )
-        fp32 = weight.dtype == torch.float32
-        block_h = 64 if fp32 else 128
-        column_tiles = triton.cdiv(self.num_experts, BLOCK_E)
-        # Few tokens make few (token block, column tile) programs: split the hidden size
-        # too, so that about SPLIT_PROGRAMS programs share the weight's read.
-        chunks = triton.cdiv(hidden, block_h)
-        wanted = max(1, min(MAX_SPLITS, SPLIT_PROGRAMS // (blocks * column_tiles), chunks))
-        split_size = triton.cdiv(chunks, wanted) * block_h
-        splits = triton.cdiv(hidden, split_size)
-        partial = torch.empty((splits, tokens, self.num_experts), dtype=torch.float32,
-                              device=device)  # fmt: skip
-        _route_kernel[(blocks, column_tiles, splits)](
-            hidden_states, weight, weight if bias is None else bias, logits, weights, ids,
-            tickets, partial, tokens, split_size, HIDDEN=hidden, GIVEN_LOGITS=False,
-            SPLIT_FP32=fp32, BLOCK_H=block_h, ROWS=BLOCK_T, COLS=BLOCK_E,
-            **self._launch_args(tokens),
+        plan = self._cached_plan(tokens, hidden, weight.dtype == torch.float32, False)
+        grid = plan.grid
+        if grid[2] > 1:
+            partial = torch.empty((grid[2], tokens, self.num_experts), dtype=torch.float32,
+                                  device=device)  # fmt: skip
+        else:
+            partial = hidden_states  # unused (see _route_kernel)
+        bias_or_weight = weight if bias is None else bias
+        _launch(
+            _variant(plan, hidden_states, weight, bias_or_weight), grid, device.index,
+            (hidden_states, weight, bias_or_weight, logits, weights, ids, tickets, partial,
+             tokens, plan.split_size),
+            plan.constexprs, plan.num_warps,
         )  # fmt: skip
         return weights, ids, logits
 
@@ -483,9 +618,11 @@ class TritonRouter:
         ids = torch.empty((tokens, self.top_k), dtype=torch.int32, device=logits.device)
         if tokens == 0:
             return weights, ids
-        _route_kernel[(triton.cdiv(tokens, BLOCK_T), 1, 1)](
-            logits, logits, logits if bias is None else bias, logits, weights, ids, ids, logits,
-            tokens, 0, HIDDEN=1, GIVEN_LOGITS=True, SPLIT_FP32=False, BLOCK_H=16, ROWS=BLOCK_T,
-            COLS=BLOCK_E, **self._launch_args(tokens),
+        plan = self._cached_plan(tokens, 1, False, True)
+        bias_or_logits = logits if bias is None else bias
+        _launch(
+            _variant(plan, logits, bias_or_logits), plan.grid, logits.device.index,
+            (logits, logits, bias_or_logits, logits, weights, ids, ids, logits, tokens, 0),
+            plan.constexprs, plan.num_warps,
         )  # fmt: skip
         return weights, ids

@@ -1,0 +1,94 @@
+"""Launching a compiled Triton kernel again without the JIT's per-call work.
+
+``kernel[grid](...)`` binds every argument, recomputes the specialization key (dtype,
+alignment and value class of each argument), looks the compiled kernel up and asks each
+tensor for its pointer and the driver whether the pointer is a device one. For a kernel of
+about thirty arguments that is tens of microseconds of host time on the H200 test machine,
+more than the router's GPU work. :class:`KernelLaunch` does the JIT's launch once per
+variant (compiling it if needed) and keeps the compiled kernel; later calls of the same
+variant hand its launcher the grid, the stream and the arguments directly.
+
+The variant key is the caller's: it must fix everything the JIT specializes on for the
+arguments it passes (pointer dtypes, constexpr values, pointer alignment to 16 bytes).
+Integer arguments whose value class could change between calls (1, multiples of 16) must
+be ``do_not_specialize`` in the kernel. The direct path is taken only in eager mode, with no
+Triton launch hook installed; under ``torch.compile`` (dynamo traces the JIT call as a
+user-defined Triton kernel) and with hooks (profilers) every call goes through the JIT.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+from triton import knobs
+from triton.runtime.jit import JITFunction
+
+__all__ = ["KernelLaunch", "aligned"]
+
+ALIGNMENT = 16  # bytes: Triton specializes pointers divisible by 16
+
+
+def _hooked() -> bool:
+    """Whether a Triton launch hook is installed (a ``HookChain`` with calls, or a callable)."""
+    hook = knobs.runtime.launch_enter_hook
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def aligned(pointer: int) -> bool:
+    """Whether a data pointer is one the JIT specializes as 16-byte aligned."""
+    return pointer % ALIGNMENT == 0
+
+
+class KernelLaunch:
+    """A Triton kernel's launches, the JIT's the first time per variant, direct after that.
+
+    Args:
+        kernel: the ``@triton.jit`` function; its runtime arguments come first in its
+            signature, its ``tl.constexpr`` ones after them.
+        runtime_args: how many leading arguments are runtime ones.
+    """
+
+    def __init__(self, kernel: JITFunction, runtime_args: int) -> None:
+        self._kernel = kernel
+        self._constexpr_names = tuple(kernel.arg_names[runtime_args:])
+        self._compiled: dict[Hashable, Any] = {}
+
+    def constexprs(self, values: dict[str, Any]) -> tuple[Any, ...]:
+        """The constexpr values in signature order (a missing one: ``KeyError``, named)."""
+        return tuple(values[name] for name in self._constexpr_names)
+
+    def __call__(
+        self,
+        key: Hashable,
+        grid: tuple[int, int, int],
+        device_index: int,
+        runtime: Sequence[Any],
+        constexprs: tuple[Any, ...],
+        num_warps: int,
+    ) -> None:
+        """Launch ``grid`` programs on the current stream of CUDA device ``device_index``.
+
+        Args:
+            key: the variant (see the module docstring); None always takes the JIT.
+            grid: programs along the kernel's three axes.
+            device_index: the current CUDA device, the tensors' (as for any Triton launch).
+            runtime: the runtime arguments in signature order (tensors or data pointers).
+            constexprs: :meth:`constexprs` of this variant.
+            num_warps: the launch's warps (part of the variant).
+        """
+        compiled = None
+        direct = not torch.compiler.is_compiling() and not _hooked()
+        if direct and key is not None:
+            compiled = self._compiled.get(key)
+        if compiled is None:
+            launched = self._kernel[grid](*runtime, *constexprs, num_warps=num_warps)
+            if direct and key is not None:
+                self._compiled[key] = launched
+            return
+        stream = torch._C._cuda_getCurrentRawStream(device_index)
+        compiled.run(
+            grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
+            None, None, None, *runtime, *constexprs,
+        )  # fmt: skip
