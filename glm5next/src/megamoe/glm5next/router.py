@@ -203,9 +203,10 @@ class Glm5NextRouter(torch.nn.Module):
     """The router of one MoE layer; its parameters are named as in the checkpoint.
 
     On CUDA with Triton, for covered shapes (``router_triton.triton_covers``) and bf16
-    activations (what the block passes), ``forward`` is one kernel launch: the logits GEMM
-    and the selection together (``megamoe.core.kernels.router_triton``). Elsewhere it is
-    the torch path, :func:`router_logits` then :func:`route_logits`.
+    activations (what the block passes), ``forward`` is one kernel launch under 256 tokens:
+    the logits GEMM and the selection together; from 256 tokens cuBLAS's logits, then the
+    kernel's selection (``megamoe.core.kernels.router_triton``). Elsewhere it is the torch
+    path, :func:`router_logits` then :func:`route_logits`.
 
     Attributes:
         weight: (E, H) float32 router weight (``gate.weight``; bf16 in checkpoints is
