@@ -406,6 +406,7 @@ class _Plan(NamedTuple):
 
     grid: tuple[int, int, int]
     split_size: int
+    rows: int
     constexprs: tuple[Any, ...]
     num_warps: int
     variant: tuple[Any, ...]
@@ -453,7 +454,7 @@ class TritonRouter:
     routed_scaling_factor: float = 1.0
     shapes: tuple[LaunchShape, ...] = LAUNCH_SHAPES
     matmul_tokens: int = MATMUL_TOKENS
-    _plans: dict[tuple[int, int, bool, bool], _Plan] = field(
+    _plans: dict[tuple[LaunchShape, int, int, bool, bool], _Plan] = field(
         init=False, repr=False, compare=False, default_factory=dict
     )
 
@@ -484,10 +485,11 @@ class TritonRouter:
     def _plan(self, tokens: int, hidden: int, fp32: bool, given_logits: bool) -> _Plan:
         """The launch of a call: its shape, hidden-size splits and constants.
 
-        The selection alone (``given_logits``) takes the shape of at most 16 tokens: its
-        programs are token blocks, and larger blocks would only select more serially.
+        The selection alone (``given_logits``) is planned by the caller for at most 16
+        tokens: its programs are token blocks, and larger blocks would only select more
+        serially.
         """
-        shape = self._shape(min(tokens, BLOCK_T) if given_logits else tokens)
+        shape = self._shape(tokens)
         per_group = self.num_experts // self.n_group
         block_g, block_j = triton.next_power_of_2(self.n_group), triton.next_power_of_2(per_group)
         entries = block_g * block_j  # one token's selection entries
@@ -528,13 +530,20 @@ class TritonRouter:
         }
         constexprs = _launch.constexprs(values)
         warps = shape.num_warps or (8 if sel_rows * entries > 2048 else 4)
-        return _Plan(grid, split_size, constexprs, warps, (*constexprs, warps))
+        return _Plan(grid, split_size, shape.rows, constexprs, warps, (*constexprs, warps))
 
     def _cached_plan(self, tokens: int, hidden: int, fp32: bool, given_logits: bool) -> _Plan:
-        """:meth:`_plan`, kept per call size in eager mode (dynamo traces it instead)."""
+        """:meth:`_plan`, kept in eager mode (dynamo traces it instead).
+
+        A plan depends on the call size only through its launch shape and token blocks,
+        so the cache holds one entry per (shape, blocks): a few dozen below
+        ``matmul_tokens``. The selection alone is planned for ``min(T, 16)`` tokens (its
+        grid is the caller's), so it keeps one entry per shape.
+        """
         if torch.compiler.is_compiling():
             return self._plan(tokens, hidden, fp32, given_logits)
-        key = (tokens, hidden, fp32, given_logits)
+        shape = self._shape(tokens)
+        key = (shape, triton.cdiv(tokens, shape.rows), hidden, fp32, given_logits)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(tokens, hidden, fp32, given_logits)
@@ -618,10 +627,11 @@ class TritonRouter:
         ids = torch.empty((tokens, self.top_k), dtype=torch.int32, device=logits.device)
         if tokens == 0:
             return weights, ids
-        plan = self._cached_plan(tokens, 1, False, True)
+        plan = self._cached_plan(min(tokens, BLOCK_T), 1, False, True)
+        grid = (triton.cdiv(tokens, plan.rows), 1, 1)
         bias_or_logits = logits if bias is None else bias
         _launch(
-            _variant(plan, logits, bias_or_logits), plan.grid, logits.device.index,
+            _variant(plan, logits, bias_or_logits), grid, logits.device.index,
             (logits, logits, bias_or_logits, logits, weights, ids, ids, logits, tokens, 0),
             plan.constexprs, plan.num_warps,
         )  # fmt: skip
