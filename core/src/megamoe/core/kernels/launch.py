@@ -22,12 +22,21 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
+import triton
 from triton import knobs
 from triton.runtime.jit import JITFunction
 
-__all__ = ["KernelLaunch", "aligned"]
+__all__ = ["DIRECT_LAUNCH", "KernelLaunch", "aligned"]
 
 ALIGNMENT = 16  # bytes: Triton specializes pointers divisible by 16
+# The direct launch makes the JIT's own call of a compiled kernel's launcher: (grid x3,
+# stream, function, packed metadata, launch metadata, enter hook, exit hook, every argument
+# in signature order), read in the runtime/jit.py of Triton 3.4 to 3.9 (run on the H200 with
+# 3.6). Other versions launch through the JIT on every call.
+_VERIFIED = ((3, 4), (3, 9))
+DIRECT_LAUNCH = (
+    _VERIFIED[0] <= tuple(int(p) for p in triton.__version__.split(".")[:2]) <= _VERIFIED[1]
+)
 
 
 def _hooked() -> bool:
@@ -79,7 +88,7 @@ class KernelLaunch:
             num_warps: the launch's warps (part of the variant).
         """
         compiled = None
-        direct = not torch.compiler.is_compiling() and not _hooked()
+        direct = DIRECT_LAUNCH and not torch.compiler.is_compiling() and not _hooked()
         if direct and key is not None:
             compiled = self._compiled.get(key)
         if compiled is None:
