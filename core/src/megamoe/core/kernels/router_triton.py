@@ -413,16 +413,23 @@ class _Plan(NamedTuple):
 
 
 def _variant(plan: _Plan, *inputs: torch.Tensor) -> tuple | None:
-    """The launch's variant key in eager mode, None under ``torch.compile``.
+    """The launch's variant key in eager mode; None (launch through the JIT) otherwise.
 
-    The key: every constexpr and the warps (``plan.variant``), then the device and each
-    input's dtype and alignment (the outputs are fresh allocations of fixed dtypes,
-    aligned). ``torch.compile`` launches through the JIT (and cannot trace ``data_ptr``).
+    The key: every constexpr and the warps (``plan.variant``), the device and the last
+    input's dtype (the bias's, or the weight standing in for it; the others' dtypes are
+    checked or fixed by the constexprs, the outputs are fresh allocations). None under
+    ``torch.compile`` (which launches through the JIT and cannot trace ``data_ptr``) and
+    where an input is not 16-byte aligned (the JIT specializes on it; rare enough to pay
+    the JIT's host time).
     """
     if torch.compiler.is_compiling():
         return None
-    inputs_key = tuple((tensor.dtype, aligned(tensor.data_ptr())) for tensor in inputs)
-    return (*plan.variant, inputs[0].device.index, *inputs_key)
+    pointers = 0
+    for tensor in inputs:
+        pointers |= tensor.data_ptr()
+    if not aligned(pointers):
+        return None
+    return (plan.variant, inputs[0].device.index, inputs[-1].dtype)
 
 
 @dataclass(frozen=True)
@@ -454,7 +461,10 @@ class TritonRouter:
     routed_scaling_factor: float = 1.0
     shapes: tuple[LaunchShape, ...] = LAUNCH_SHAPES
     matmul_tokens: int = MATMUL_TOKENS
-    _plans: dict[tuple[LaunchShape, int, int, bool, bool], _Plan] = field(
+    _plans: dict[tuple[int, int, bool, bool], _Plan] = field(
+        init=False, repr=False, compare=False, default_factory=dict
+    )
+    _shared_plans: dict[tuple[LaunchShape, int, int, bool, bool], _Plan] = field(
         init=False, repr=False, compare=False, default_factory=dict
     )
 
@@ -535,18 +545,22 @@ class TritonRouter:
     def _cached_plan(self, tokens: int, hidden: int, fp32: bool, given_logits: bool) -> _Plan:
         """:meth:`_plan`, kept in eager mode (dynamo traces it instead).
 
-        A plan depends on the call size only through its launch shape and token blocks,
-        so the cache holds one entry per (shape, blocks): a few dozen below
-        ``matmul_tokens``. The selection alone is planned for ``min(T, 16)`` tokens (its
-        grid is the caller's), so it keeps one entry per shape.
+        Looked up by call size first. A plan depends on the call size only through its
+        launch shape and token blocks, so call sizes share one plan per (shape, blocks).
+        Fused calls are below ``matmul_tokens`` and the selection alone is planned for
+        ``min(T, 16)`` tokens (its grid is the caller's), so both caches stay small.
         """
         if torch.compiler.is_compiling():
             return self._plan(tokens, hidden, fp32, given_logits)
-        shape = self._shape(tokens)
-        key = (shape, triton.cdiv(tokens, shape.rows), hidden, fp32, given_logits)
-        plan = self._plans.get(key)
+        by_size = (tokens, hidden, fp32, given_logits)
+        plan = self._plans.get(by_size)
         if plan is None:
-            plan = self._plans[key] = self._plan(tokens, hidden, fp32, given_logits)
+            shape = self._shape(tokens)
+            by_blocks = (shape, triton.cdiv(tokens, shape.rows), hidden, fp32, given_logits)
+            plan = self._shared_plans.get(by_blocks)
+            if plan is None:
+                plan = self._shared_plans[by_blocks] = self._plan(*by_size)
+            self._plans[by_size] = plan
         return plan
 
     def route(
@@ -573,14 +587,19 @@ class TritonRouter:
             then (T, E).
 
         Raises:
-            ValueError: more tokens than ``tickets`` serves, or activations that are not
-                bf16 or a weight that is neither bf16 nor float32.
+            ValueError: more tokens than ``tickets`` serves, activations that are not bf16,
+                or a weight that is neither bf16 nor float32 or not contiguous.
         """
         if hidden_states.dtype != torch.bfloat16 or weight.dtype not in _WEIGHT_DTYPES:
             raise ValueError(
                 f"router (triton): activations are {hidden_states.dtype} and the weight "
                 f"{weight.dtype}; expected bf16 activations and a bf16 or float32 weight "
                 "(cast them, or use the torch path)"
+            )
+        if not weight.is_contiguous():
+            raise ValueError(
+                f"router (triton): the weight {tuple(weight.shape)} has strides "
+                f"{weight.stride()}; the kernel reads it row-major (pass weight.contiguous())"
             )
         hidden_states = hidden_states.contiguous()
         tokens, hidden = hidden_states.shape
@@ -621,7 +640,20 @@ class TritonRouter:
 
         Returns:
             ``(topk_weights float32, topk_ids int32)``, each (T, top_k).
+
+        Raises:
+            ValueError: logits that are not contiguous float32 (T, E).
         """
+        if (
+            logits.dtype != torch.float32
+            or not logits.is_contiguous()
+            or logits.dim() != 2
+            or logits.shape[1] != self.num_experts
+        ):
+            raise ValueError(
+                f"router (triton): logits {logits.dtype} {tuple(logits.shape)}; expected "
+                f"contiguous float32 (tokens, {self.num_experts})"
+            )
         tokens = logits.shape[0]
         weights = torch.empty((tokens, self.top_k), dtype=torch.float32, device=logits.device)
         ids = torch.empty((tokens, self.top_k), dtype=torch.int32, device=logits.device)
