@@ -449,7 +449,8 @@ class TritonRouter:
             GEMM, then launch the selection alone (``MATMUL_TOKENS``).
 
     Raises:
-        ValueError: settings :func:`covers` rejects, or an unknown scoring.
+        ValueError: settings :func:`covers` rejects, an unknown scoring, or launch shapes
+            whose first does not serve 1 token.
     """
 
     score: int
