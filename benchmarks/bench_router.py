@@ -35,9 +35,9 @@ import torch
 
 from harness import cuda_graph_replay, cuda_median_ms, format_table, write_json
 from megamoe.core.kernels import one_launch_router
+from megamoe.core.router_logits import router_logits
 from megamoe.glm5next.config import Glm5NextConfig
-from megamoe.glm5next.router import Glm5NextRouter, route_logits, router_logits
-from megamoe.qwen4exp.block import router_logits as qwen_logits
+from megamoe.glm5next.router import Glm5NextRouter, route_logits
 from megamoe.qwen4exp.block import softmax_topk
 
 # name: (scoring, E, top_k, n_group, topk_group, hidden)
@@ -97,8 +97,8 @@ def build(name: str) -> Router:
         assert kernel is not None and tickets is not None
         return Router(
             hidden,
-            lambda x: qwen_logits(x, weight),
-            lambda x: softmax_topk(qwen_logits(x, weight), top_k, True),
+            lambda x: router_logits(x, weight),
+            lambda x: softmax_topk(router_logits(x, weight), top_k, True),
             lambda x: kernel.route(x, weight, tickets),
             kernel.select,
         )

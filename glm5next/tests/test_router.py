@@ -20,8 +20,9 @@ from router_cases import (
     transformers_router,
 )
 
+from megamoe.core.router_logits import router_logits
 from megamoe.glm5next.config import Glm5NextConfig
-from megamoe.glm5next.router import Glm5NextRouter, grouped_topk, route_logits, router_logits
+from megamoe.glm5next.router import Glm5NextRouter, grouped_topk, route_logits
 
 
 def _best_subset(values: list[float], candidates: list[int], size: int) -> tuple[int, ...]:

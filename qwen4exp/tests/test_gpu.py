@@ -170,7 +170,8 @@ def test_router_is_one_launch_with_the_torch_paths_choice(
     the torch path's selection gives the same ids and weights within 2e-6, and the
     logits are within float32 summation (2e-5 of the sum of |products|) of the cuBLAS
     ones the torch path starts from."""
-    from megamoe.qwen4exp.block import router_logits, softmax_topk
+    from megamoe.core.router_logits import router_logits
+    from megamoe.qwen4exp.block import softmax_topk
 
     assert hopper_block.router_kernel is not None
     x = expected["x"].to(device)

@@ -20,6 +20,7 @@ from typing import TypedDict, Unpack
 import torch
 
 from megamoe.core.kernels import TRITON_AVAILABLE, one_launch_router
+from megamoe.core.router_logits import router_logits
 from megamoe.glm5next.config import ROUTER_TOP2, Glm5NextConfig
 
 NORM_EPS = 1e-20  # added to the renormalization's denominator, as the model does
@@ -61,19 +62,6 @@ def _top_indices(values: torch.Tensor, k: int) -> torch.Tensor:
     # A stable descending sort keeps equal values in index order; torch.topk does not
     # promise any order among ties.
     return torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]
-
-
-def router_logits(hidden_states: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
-    """Router logits ``x @ gate_weight^T`` in float32.
-
-    Args:
-        hidden_states: (tokens, H).
-        gate_weight: (E, H).
-
-    Returns:
-        (tokens, E) float32.
-    """
-    return hidden_states.float() @ gate_weight.float().t()
 
 
 def check_group_settings(
@@ -206,7 +194,7 @@ class Glm5NextRouter(torch.nn.Module):
     activations (what the block passes), ``forward`` is one kernel launch under 256 tokens:
     the logits GEMM and the selection together; from 256 tokens cuBLAS's logits, then the
     kernel's selection (``megamoe.core.kernels.router_triton``). Elsewhere it is the torch
-    path, :func:`router_logits` then :func:`route_logits`.
+    path, ``megamoe.core.router_logits`` then :func:`route_logits`.
 
     Attributes:
         weight: (E, H) float32 router weight (``gate.weight``; bf16 in checkpoints is

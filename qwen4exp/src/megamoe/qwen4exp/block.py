@@ -16,6 +16,7 @@ from megamoe.core.expert_names import WEIGHT, WEIGHT_PACKED
 from megamoe.core.kernels import one_launch_router
 from megamoe.core.parallel import ParallelSettings
 from megamoe.core.quant_config import detect_expert_format
+from megamoe.core.router_logits import router_logits
 from megamoe.core.shared_expert import AuxStream, SwiGLUMLP
 from megamoe.qwen4exp.config import MODEL_NAME, Qwen4ExpConfig
 from megamoe.qwen4exp.experts import Qwen4ExpMegaMoEExperts
@@ -23,18 +24,6 @@ from megamoe.qwen4exp.experts import Qwen4ExpMegaMoEExperts
 ROUTER = "gate.weight"
 SHARED_GATE = "shared_expert_gate.weight"
 SHARED_EXPERT = "shared_expert"
-
-
-def router_logits(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight^T`` in float32 from bf16 operands: exact products, float32 sums.
-
-    One GEMM on CUDA (``torch.mm(..., out_dtype=)``, bf16 inputs, float32 output; torch
-    has no CPU kernel for it), where widening both operands first would add two casts;
-    elsewhere both are widened (the same products and sums).
-    """
-    if hidden_states.is_cuda:
-        return torch.mm(hidden_states, weight.t(), out_dtype=torch.float32)
-    return F.linear(hidden_states.float(), weight.float())
 
 
 def softmax_topk(

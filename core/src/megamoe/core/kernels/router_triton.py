@@ -56,6 +56,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from megamoe.core.kernels.launch import KernelLaunch, aligned
+from megamoe.core.router_logits import router_logits
 
 __all__ = [
     "LAUNCH_SHAPES",
@@ -390,17 +391,6 @@ LAUNCH_SHAPES = (LaunchShape(1), LaunchShape(BLOCK_T, select_entries=BLOCK_T * M
 MATMUL_TOKENS = 256
 
 
-def _matmul_logits(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight^T`` in float32 by torch's GEMM (exact products, float32 sums).
-
-    A bf16 weight goes straight to a float32 output; a float32 one meets the widened
-    activations.
-    """
-    if weight.dtype == torch.bfloat16:
-        return torch.mm(hidden_states, weight.t(), out_dtype=torch.float32)
-    return torch.mm(hidden_states.float(), weight.t())
-
-
 class _Plan(NamedTuple):
     """One call size's launch: grid, split size, constants and the variant they make."""
 
@@ -610,8 +600,8 @@ class TritonRouter:
                 "ticket buffer serves; build the layer with a larger max_num_tokens"
             )
         if tokens >= self.matmul_tokens:
-            logits = _matmul_logits(hidden_states, weight)
-            return (*self.select(logits, bias), logits)
+            logits = router_logits(hidden_states, weight)
+            return (*self._select(logits, bias), logits)
         device = hidden_states.device
         logits = torch.empty((tokens, self.num_experts), dtype=torch.float32, device=device)
         weights = torch.empty((tokens, self.top_k), dtype=torch.float32, device=device)
@@ -655,6 +645,12 @@ class TritonRouter:
                 f"router (triton): logits {logits.dtype} {tuple(logits.shape)}; expected "
                 f"contiguous float32 (tokens, {self.num_experts})"
             )
+        return self._select(logits, bias)
+
+    def _select(
+        self, logits: torch.Tensor, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`select` on logits known to be contiguous float32 (T, E)."""
         tokens = logits.shape[0]
         weights = torch.empty((tokens, self.top_k), dtype=torch.float32, device=logits.device)
         ids = torch.empty((tokens, self.top_k), dtype=torch.int32, device=logits.device)
