@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from gpu_marks import COMPILED_GPU_MARKS
 
 from megamoe.core.adapters import MoEBlock, SyntheticSizes
 from megamoe.core.backends.deepgemm import DeepGemmBackend
@@ -34,13 +35,7 @@ FMT = WeightFormat.FP8_BLOCK
 TOKENS = 64
 COMPILED_TOLERANCE = 1e-2
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.filterwarnings("ignore:.*torch.jit:DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore:.*TensorFloat32:UserWarning"),  # inductor's advice
-    pytest.mark.filterwarnings("ignore:.*Synchronization debug mode:UserWarning"),
-]
+pytestmark = COMPILED_GPU_MARKS
 
 
 @pytest.fixture(autouse=True)

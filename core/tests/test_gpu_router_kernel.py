@@ -19,16 +19,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpu_marks import COMPILED_GPU_MARKS
 
 from megamoe.core.bitcheck import assert_bitwise_equal
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.filterwarnings("ignore:.*torch.jit:DeprecationWarning"),  # inductor's imports
-    pytest.mark.filterwarnings("ignore:.*TensorFloat32:UserWarning"),  # inductor's advice
-    pytest.mark.filterwarnings("ignore:.*Synchronization debug mode:UserWarning"),
-]
+pytestmark = COMPILED_GPU_MARKS
 
 LOGIT_TOL = 1e-5  # |kernel - float64| / sum_h |x_h w_h|, float32 sums of H products
 WEIGHT_TOL = 2e-6  # absolute, weights in [0, 1] (x routed_scaling_factor): a few float32 ulp

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpu_marks import COMPILED_GPU_MARKS
 from router_cases import (
     ROUTER_SHAPES,
     by_id,
@@ -23,13 +24,7 @@ from megamoe.core.bitcheck import assert_bitwise_equal
 from megamoe.glm5next.config import Glm5NextConfig
 from megamoe.glm5next.router import Glm5NextRouter, grouped_topk, route_logits
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.filterwarnings("ignore:.*torch.jit:DeprecationWarning"),  # inductor's imports
-    pytest.mark.filterwarnings("ignore:.*TensorFloat32:UserWarning"),  # inductor's advice
-    pytest.mark.filterwarnings("ignore:.*Synchronization debug mode:UserWarning"),
-]
+pytestmark = COMPILED_GPU_MARKS
 
 WEIGHT_TOLERANCE = 1e-6  # the renormalizing sum may add in another order
 
