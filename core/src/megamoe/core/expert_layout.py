@@ -17,6 +17,7 @@ from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
 from megamoe.core.pairing import SHARD_DOWN
 
 ALIGN = 128  # hidden and intermediate sizes must be multiples of this (kernel tiles)
+_ID_DTYPES = (torch.int32, torch.int64)  # the routing ids a forward takes
 Specs = tuple[TensorSpec, TensorSpec | None]  # a projection's weight and scale specs
 
 
@@ -170,10 +171,30 @@ class ExpertLayout:
                 f"expected (tokens, hidden_size={self.hidden_size})"
             )
         tokens = hidden_states.shape[0]
+        routing = (tokens, self.top_k)
+        if (
+            hidden_states.dtype != torch.bfloat16
+            or topk_weights.dtype != torch.float32
+            or topk_ids.dtype not in _ID_DTYPES
+            or topk_weights.shape != routing
+            or topk_ids.shape != routing
+        ):
+            self._refuse_routing(hidden_states, topk_weights, topk_ids)
+        if tokens > self.max_num_tokens:
+            raise ValueError(
+                f"{self.label}: {tokens} tokens exceed max_num_tokens={self.max_num_tokens}; "
+                "build the layer with a larger max_num_tokens or split the batch"
+            )
+
+    def _refuse_routing(
+        self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> None:
+        """Raise for the first input of :meth:`check_forward` whose dtype or shape is wrong."""
+        tokens = hidden_states.shape[0]
         inputs = (
             ("hidden_states", hidden_states, (torch.bfloat16,)),
             ("topk_weights", topk_weights, (torch.float32,)),
-            ("topk_ids", topk_ids, (torch.int32, torch.int64)),
+            ("topk_ids", topk_ids, _ID_DTYPES),
         )
         for what, tensor, dtypes in inputs:
             if tensor.dtype not in dtypes:
@@ -186,11 +207,6 @@ class ExpertLayout:
                     f"{self.label}: {what} has shape {tuple(tensor.shape)}, expected "
                     f"({tokens}, top_k={self.top_k})"
                 )
-        if tokens > self.max_num_tokens:
-            raise ValueError(
-                f"{self.label}: {tokens} tokens exceed max_num_tokens={self.max_num_tokens}; "
-                "build the layer with a larger max_num_tokens or split the batch"
-            )
 
 
 def check_kernel_dims(hidden_size: int, intermediate_size: int) -> None:

@@ -93,7 +93,8 @@ def check_tags(expected: KernelTag, pieces: Mapping[str, object], owner: str) ->
     """
     for name, piece in pieces.items():
         found = tag_of(piece)
-        if found != expected:
+        # The same tag object (the usual case) is checked without the dataclass comparison.
+        if found is not expected and found != expected:
             got = "no tag" if found is None else found.describe()
             raise FormatMismatchError(
                 f"{owner}: {name} is tagged {got}, but this forward runs "

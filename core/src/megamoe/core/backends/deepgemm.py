@@ -194,14 +194,26 @@ def resolve_kernel(
     return module, kind
 
 
+def _other_device(device: torch.device) -> bool:
+    """Whether ``device`` is a CUDA device other than the current one."""
+    return device.type == "cuda" and device.index not in (None, torch.cuda.current_device())
+
+
 @contextlib.contextmanager
 def _on_device(device: torch.device) -> Iterator[None]:
     """Make ``device`` current (DeepGEMM allocates and launches on the current device)."""
-    if device.type != "cuda" or device.index in (None, torch.cuda.current_device()):
+    if not _other_device(device):
         yield
         return
     with torch.cuda.device(device):
         yield
+
+
+def _contiguous_as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` in ``dtype``, contiguous (itself, with no call, when it already is)."""
+    if tensor.dtype == dtype and tensor.is_contiguous():
+        return tensor
+    return tensor.to(dtype).contiguous()
 
 
 class DeepGemmBackend(ExpertsBackend):
@@ -387,51 +399,65 @@ class DeepGemmBackend(ExpertsBackend):
             FormatMismatchError: the buffer or kernel tensors carry another format's tag.
         """
         label = experts.layout.label
-        if (
-            self._layout is None
-            or self._entry is None
-            or self._kernel is None
-            or self._buffer_check is None
-        ):
+        layout, entry, kernel = self._layout, self._entry, self._kernel
+        buffer_check = self._buffer_check
+        if layout is None or entry is None or kernel is None or buffer_check is None:
             raise RuntimeError(
                 f"{label}: the DeepGEMM backend has no kernel weights; call finalize() first"
             )
-        module, kind = self._kernel
-        entry, tokens = self._entry, hidden_states.shape[0]
+        tokens = hidden_states.shape[0]
         if tokens > entry.capacity:
             raise ValueError(
                 f"{label}: {tokens} tokens exceed the DeepGEMM symmetric buffer's capacity of "
                 f"{entry.capacity} tokens per rank; raise max_num_tokens (now "
                 f"{experts.max_num_tokens}) when building the layer, or split the batch"
             )
-        check_tags(*self._buffer_check, label)
+        check_tags(*buffer_check, label)
         check_tags(experts.kernel_tag, self._tagged, label)
-        l1w, l1s, l2w, l2s = self._layout.pieces
-        buf = entry.buffer
+        inputs = (hidden_states, topk_weights, topk_ids)
+        if _other_device(experts.device):
+            with torch.cuda.device(experts.device):
+                return self._launch(kernel, layout, entry.buffer, experts.hidden_size, *inputs)
+        return self._launch(kernel, layout, entry.buffer, experts.hidden_size, *inputs)
+
+    def _launch(
+        self,
+        kernel: tuple[ModuleType, str],
+        layout: KernelLayout,
+        buf: Any,
+        hidden_size: int,
+        hidden_states: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`forward` after its checks, on the experts' device."""
+        module, kind = kernel
+        l1w, l1s, l2w, l2s = layout.pieces
+        tokens = hidden_states.shape[0]
         clamp, shared = self._clamp, self._shared_args
-        with _on_device(experts.device):
-            x = hidden_states.contiguous()
-            weights = topk_weights.to(torch.float32).contiguous()
-            y = torch.empty((tokens, experts.hidden_size), dtype=torch.bfloat16, device=x.device)
-            if kind == KIND_SM90:
-                ids = topk_ids.to(torch.int32).contiguous()
-                staged = (buf.x, buf.x_sf, buf.topk_idx, buf.topk_weights)
-                module.mega_moe_pre_dispatch_sm90(x, ids, weights, *staged, tokens)
-                bound = {BOUND_KEYWORD: tokens} if self._bound_tokens else {}
-                module.fp8_mega_moe(y, (l1w, l1s), (l2w, l2s), buf, **clamp, **bound)
-                return y
-            if kind == KIND_BF16:
-                buf.x[:tokens].copy_(x)
-            else:
-                values, scale_ue8m0 = quant.quantize_mx(x, WeightFormat.MXFP8, name="hidden_states")
-                buf.x[:tokens].copy_(values)
-                buf.x_sf[:tokens].copy_(scale_ue8m0.view(torch.int32))  # 4 scales per int32
-            buf.topk_idx[:tokens].copy_(topk_ids)
-            buf.topk_weights[:tokens].copy_(weights)
-            if kind == KIND_BF16:
-                module.bf16_mega_moe(y, l1w, l2w, buf, **clamp, **shared)
-            else:
-                module.fp8_fp4_mega_moe(y, (l1w, l1s), (l2w, l2s), buf, **clamp, **shared)
+        x = hidden_states.contiguous()
+        weights = _contiguous_as(topk_weights, torch.float32)
+        y = torch.empty((tokens, hidden_size), dtype=torch.bfloat16, device=x.device)
+        if kind == KIND_SM90:
+            ids = _contiguous_as(topk_ids, torch.int32)
+            module.mega_moe_pre_dispatch_sm90(
+                x, ids, weights, buf.x, buf.x_sf, buf.topk_idx, buf.topk_weights, tokens
+            )
+            bound = {BOUND_KEYWORD: tokens} if self._bound_tokens else {}
+            module.fp8_mega_moe(y, (l1w, l1s), (l2w, l2s), buf, **clamp, **bound)
+            return y
+        if kind == KIND_BF16:
+            buf.x[:tokens].copy_(x)
+        else:
+            values, scale_ue8m0 = quant.quantize_mx(x, WeightFormat.MXFP8, name="hidden_states")
+            buf.x[:tokens].copy_(values)
+            buf.x_sf[:tokens].copy_(scale_ue8m0.view(torch.int32))  # 4 scales per int32
+        buf.topk_idx[:tokens].copy_(topk_ids)
+        buf.topk_weights[:tokens].copy_(weights)
+        if kind == KIND_BF16:
+            module.bf16_mega_moe(y, l1w, l2w, buf, **clamp, **shared)
+        else:
+            module.fp8_fp4_mega_moe(y, (l1w, l1s), (l2w, l2s), buf, **clamp, **shared)
         return y
 
 
