@@ -188,3 +188,33 @@ def test_router_is_one_launch_with_the_torch_paths_choice(
     weight = hopper_block.gate.weight.double()
     scale = x.double().abs() @ weight.abs().t()  # float32 sums of H products, both
     assert float(((kernel[2].double() - cublas).abs() / scale).max()) <= 2e-5
+
+
+@pytest.mark.parametrize(("tokens", "hidden"), [(1, 4096), (7, 2048), (256, 4096), (3, 6144)])
+def test_combine_is_one_launch_with_the_torch_rule(
+    hopper_block: Qwen4ExpMegaMoeBlock, device: torch.device, tokens: int, hidden: int
+) -> None:
+    """On CUDA the block combines with ``gated_add``: within half a bf16 ulp (plus 1e-6)
+    of the float64 ``routed + sigmoid(x . g) * shared``, and the torch path's bf16 result
+    (float32 gate from cuBLAS, one ``addcmul``) for all but a few elements, which are one
+    bf16 ulp apart (the gate's logit sums in another order, so a rounding may flip)."""
+    from megamoe.core.router_logits import router_logits
+    from megamoe.qwen4exp.combine_triton import gated_add
+
+    assert hopper_block._gated_add is gated_add
+    gen = torch.Generator(device=device).manual_seed(tokens + hidden)
+    x = torch.randn(tokens, hidden, device=device, generator=gen).bfloat16()
+    gate_weight = (torch.randn(1, hidden, device=device, generator=gen) * 0.05).bfloat16()
+    routed = torch.randn(tokens, hidden, device=device, generator=gen).bfloat16()
+    shared = torch.randn(tokens, hidden, device=device, generator=gen).bfloat16()
+    got = gated_add(routed, shared, x, gate_weight)
+    assert got.dtype == torch.bfloat16 and got.shape == (tokens, hidden)
+
+    ref = routed.double() + shared.double() * torch.sigmoid(x.double() @ gate_weight.double().t())
+    assert bool(((got.double() - ref).abs() <= ref.abs() * 2**-8 * 1.001 + 1e-6).all())
+    gate = torch.sigmoid(router_logits(x, gate_weight))
+    torch_path = torch.addcmul(routed, shared, gate).to(torch.bfloat16)
+    differ = got != torch_path
+    ulp = torch_path.float().abs() * 2**-7  # one bf16 ulp is at most this
+    assert int(differ.sum()) <= max(2, got.numel() // 1000)
+    assert bool(((got.float() - torch_path.float()).abs() <= ulp).all())

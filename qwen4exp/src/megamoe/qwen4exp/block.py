@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Unpack
 
 import torch
-import torch.nn.functional as F
 
 from megamoe.core.adapters import MoEBlock
 from megamoe.core.block_setup import EXPERTS, BlockOptions, check_hidden_states, plan_experts
 from megamoe.core.dense_update import DenseUpdate, discard_on_error
 from megamoe.core.errors import IncompleteShardsError, MissingExpertsError
 from megamoe.core.expert_names import WEIGHT, WEIGHT_PACKED
-from megamoe.core.kernels import one_launch_router
+from megamoe.core.kernels import TRITON_AVAILABLE, one_launch_router
 from megamoe.core.parallel import ParallelSettings
 from megamoe.core.quant_config import detect_expert_format
 from megamoe.core.router_logits import router_logits
@@ -42,6 +41,15 @@ def softmax_topk(
     return topk_weights, topk_ids.to(torch.int32)
 
 
+def fused_combine(device: torch.device) -> Callable[..., torch.Tensor] | None:
+    """``combine_triton.gated_add`` where it runs (Triton, a CUDA device), else None."""
+    if not TRITON_AVAILABLE or device.type != "cuda":
+        return None
+    from megamoe.qwen4exp.combine_triton import gated_add
+
+    return gated_add
+
+
 class Qwen4ExpMegaMoeBlock(MoEBlock):
     """A Qwen3-Next-style MoE layer whose routed experts run as one MegaMoE launch.
 
@@ -58,9 +66,11 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
             ``mtp.layers.0.mlp``.
         parallel: expert-parallel group (required; a group of size 1 for one device),
             placement (linear) and tensor-parallel size (1).
-        use_aux_stream: True issues the shared expert on an auxiliary CUDA stream beside
-            the router; off by default: on the H200 issuing it after the MegaMoE launch
-            was faster (``benchmarks/bench_block.py``).
+        use_aux_stream: True issues the (unfused) shared expert on an auxiliary CUDA
+            stream beside the router, so their GPU work overlaps, at the host cost of the
+            stream switches; ``"graphs"`` does so only while a CUDA graph is captured
+            (``megamoe.core.shared_expert.AuxStream``); False issues it after the MegaMoE
+            launch on the same stream. Measured in ``benchmarks/bench_block.py``.
         shared_gemm: how the (unfused) shared expert multiplies
             (``megamoe.core.fp8_gemm.SharedGemm``): ``"bf16"`` (default; a block-FP8
             checkpoint is dequantized at load: measured faster on the H200), ``"deep_gemm"``
@@ -84,7 +94,7 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
         *,
         prefix: str,
         parallel: ParallelSettings,
-        use_aux_stream: bool = False,
+        use_aux_stream: bool | str = False,
         shared_gemm: str | None = "bf16",
         **options: Unpack[BlockOptions],
     ) -> None:
@@ -120,6 +130,7 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
         )  # fmt: skip
         self.router_tickets: torch.Tensor
         self.register_buffer("router_tickets", tickets, persistent=False)
+        self._gated_add = fused_combine(self.device)
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -156,26 +167,40 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
         )
 
     def shared_gate(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``sigmoid(shared_expert_gate(x))`` in float32, (tokens, 1)."""
-        return torch.sigmoid(F.linear(hidden_states, self.shared_expert_gate.weight).float())
+        """``sigmoid(shared_expert_gate(x))`` in float32, (tokens, 1).
+
+        The gate's logit is float32 (exact products, float32 sums: ``router_logits``), as
+        the routing logits are; transformers rounds it to bf16 first.
+        """
+        return torch.sigmoid(router_logits(hidden_states, self.shared_expert_gate.weight))
 
     def shared_output(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The shared expert times ``sigmoid(shared_expert_gate(x))``, float32."""
         return self.shared_expert(hidden_states).float() * self.shared_gate(hidden_states)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Routed plus gated shared-expert output (see ``MoEBlock.forward``).
+    def combine(
+        self, routed: torch.Tensor, shared: torch.Tensor, hidden_states: torch.Tensor
+    ) -> torch.Tensor:
+        """``routed + shared_gate(x) * shared`` in float32, rounded to bf16 once.
 
-        The shared expert's bf16 output, times its float32 gate, is added to the routed
-        output in one float32 ``addcmul`` and rounded to bf16 once.
+        On CUDA with Triton one launch (``combine_triton.gated_add``: the same rule, its own
+        float32 summation order for the gate's logit); elsewhere the float32 gate and one
+        ``addcmul``.
         """
+        if self._gated_add is not None and hidden_states.is_cuda:
+            return self._gated_add(routed, shared, hidden_states, self.shared_expert_gate.weight)
+        gate = self.shared_gate(hidden_states)
+        return torch.addcmul(routed, shared, gate).to(torch.bfloat16)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Routed plus gated shared-expert output (see ``MoEBlock.forward`` and ``combine``)."""
         check_hidden_states(self.prefix, hidden_states, self.config.hidden_size)
-        routed, (shared, gate) = self.aux_stream.schedule(
-            lambda: (self.shared_expert(hidden_states), self.shared_gate(hidden_states)),
+        routed, (shared,) = self.aux_stream.schedule(
+            lambda: (self.shared_expert(hidden_states),),
             lambda: self.route(hidden_states),
             lambda weights, ids: self.experts(hidden_states, weights, ids),
         )
-        return torch.addcmul(routed, shared, gate).to(torch.bfloat16)
+        return self.combine(routed, shared, hidden_states)
 
     # -- loading ---------------------------------------------------------------------------
 
