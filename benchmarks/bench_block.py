@@ -9,11 +9,11 @@ measures (CUDA-event medians after warm-up):
 - the block's parts alone: ``router``, ``shared`` expert, ``experts`` module;
 - the block ``eager`` (its default: the shared expert issued after the MegaMoE launch on
   the same stream) and ``aux`` (``use_aux_stream=True``: beside the router), ``compiled``
-  (``torch.compile(fullgraph=True)``, dynamic token count) and ``graphed`` (a CUDA graph of
-  the eager block, replayed);
+  (``torch.compile(fullgraph=True)``, dynamic token count), ``graphed`` (a CUDA graph of
+  the eager block, replayed) and ``aux graphed`` (the same of the ``aux`` block);
 
 and the ratios the engine-speed issue targets: eager / (bare + shared expert), and the
-graphed block over a CUDA graph of just the bare kernel and the shared expert. Weights
+graphed blocks over a CUDA graph of just the bare kernel and the shared expert. Weights
 are random block-FP8 made on the GPU (no checkpoint).
 
     python benchmarks/bench_block.py                   # E=64, top-8, H=4096, I=1536, shared 1536
@@ -53,9 +53,11 @@ COLUMNS = (
     ("aux", ">7.1f", "aux_us"),
     ("compiled", ">8.1f", "compiled_us"),
     ("graphed", ">8.1f", "graphed_us"),
+    ("aux graphed", ">11.1f", "aux_graphed_us"),
     ("b+s graphed", ">11.1f", "bare_shared_graphed_us"),
     ("eager/(b+s)", ">11.2f", "eager_ratio"),
     ("graphed/(b+s) graphed", ">21.2f", "graphed_ratio"),
+    ("aux graphed/(b+s) graphed", ">25.2f", "aux_graphed_ratio"),
 )
 
 
@@ -168,6 +170,7 @@ def measure(
             "eager_us": time(lambda: block(x)),
             "aux_us": time(lambda: aux(x)),
             "graphed_us": time(cuda_graph_replay(lambda: block(x))),
+            "aux_graphed_us": time(cuda_graph_replay(lambda: aux(x))),
             "bare_shared_graphed_us": time(
                 cuda_graph_replay(lambda: (shared(x), bare(x, weights, ids))[1])
             ),
@@ -176,6 +179,7 @@ def measure(
             row["compiled_us"] = time(lambda: compiled(x))
     row["eager_ratio"] = row["eager_us"] / (row["bare_us"] + row["shared_us"])
     row["graphed_ratio"] = row["graphed_us"] / row["bare_shared_graphed_us"]
+    row["aux_graphed_ratio"] = row["aux_graphed_us"] / row["bare_shared_graphed_us"]
     return row
 
 

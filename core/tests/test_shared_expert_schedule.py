@@ -13,13 +13,15 @@ import pytest
 import torch
 
 from megamoe.core.bitcheck import assert_bitwise_equal
-from megamoe.core.shared_expert import AuxStream
+from megamoe.core.shared_expert import AUX_IN_GRAPHS, AuxStream
 from megamoe.core.swiglu import gate_up_bounds, swiglu, swiglu_gate_up
 
 
-def test_serial_schedule_launches_the_experts_before_the_shared_expert() -> None:
+def recorded_schedule(
+    aux: AuxStream, weights: torch.Tensor, ids: torch.Tensor
+) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+    """``aux.schedule`` of three recording parts: the call order and the two outputs."""
     calls: list[str] = []
-    ids, weights = torch.tensor([[1]]), torch.tensor([[1.0]])
 
     def route() -> tuple[torch.Tensor, torch.Tensor]:
         calls.append("route")
@@ -28,14 +30,43 @@ def test_serial_schedule_launches_the_experts_before_the_shared_expert() -> None
     def experts(w: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
         assert w is weights and i is ids
         calls.append("experts")
-        return torch.ones(1)
+        return w.reshape(1) * 1.0
 
     def shared() -> tuple[torch.Tensor, ...]:
         calls.append("shared")
-        return (torch.full((1,), 2.0),)
+        return (weights.reshape(1) * 2.0,)
 
-    routed, (side,) = AuxStream("cpu", enabled=True).schedule(shared, route, experts)
+    routed, (side,) = aux.schedule(shared, route, experts)
+    return calls, routed, side
+
+
+def test_serial_schedule_launches_the_experts_before_the_shared_expert() -> None:
+    aux = AuxStream("cpu", enabled=True)
+    calls, routed, side = recorded_schedule(aux, torch.tensor([[1.0]]), torch.tensor([[1]]))
     assert calls == ["route", "experts", "shared"]
+    assert routed.item() == 1.0 and side.item() == 2.0
+
+
+def test_aux_stream_setting_is_checked() -> None:
+    assert AuxStream("cpu", enabled=AUX_IN_GRAPHS).only_in_graphs
+    with pytest.raises(ValueError, match=r"use_aux_stream='always': expected True, False or"):
+        AuxStream("cpu", enabled="always")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_graphs_setting_takes_the_aux_stream_only_while_capturing() -> None:
+    device = torch.device("cuda", 0)
+    aux = AuxStream(device, enabled=AUX_IN_GRAPHS)
+    weights, ids = torch.tensor([[1.0]], device=device), torch.tensor([[1]], device=device)
+    calls, routed, side = recorded_schedule(aux, weights, ids)
+    assert calls == ["route", "experts", "shared"]  # eager: serial
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls, routed, side = recorded_schedule(aux, weights, ids)
+    assert calls == ["shared", "route", "experts"]  # captured: shared first, on the aux stream
+    graph.replay()
+    torch.cuda.synchronize(device)
     assert routed.item() == 1.0 and side.item() == 2.0
 
 

@@ -286,6 +286,7 @@ class SwiGLUMLP(torch.nn.Module):
 
 
 Parts = tuple[torch.Tensor, ...]
+AUX_IN_GRAPHS = "graphs"  # use_aux_stream: the auxiliary stream only in captured CUDA graphs
 
 
 class AuxStream:
@@ -299,18 +300,30 @@ class AuxStream:
       MegaMoE kernel, so their host-side launch work overlaps the kernel's GPU time
       instead of delaying its start.
     - auxiliary stream (``enabled=True`` on CUDA): the shared expert is issued first on a
-      second stream, beside the router, and joined before the MegaMoE launch.
+      second stream, beside the router, and joined before the MegaMoE launch. Its GPU
+      work then overlaps the router's, at the host cost of the stream switches.
+    - ``enabled=AUX_IN_GRAPHS`` (``"graphs"``): the auxiliary stream while a CUDA graph is
+      being captured (the replay pays no host cost for it), serial otherwise.
 
     Args:
         device: the device the work runs on.
-        enabled: True runs the shared expert on an auxiliary CUDA stream.
+        enabled: True, False or ``AUX_IN_GRAPHS``.
+
+    Raises:
+        ValueError: any other ``enabled``.
     """
 
-    def __init__(self, device: torch.device | str, enabled: bool = True) -> None:
+    def __init__(self, device: torch.device | str, enabled: bool | str = True) -> None:
+        if enabled not in (True, False, AUX_IN_GRAPHS):
+            raise ValueError(
+                f"use_aux_stream={enabled!r}: expected True, False or {AUX_IN_GRAPHS!r} "
+                "(the auxiliary stream only while a CUDA graph is captured)"
+            )
         device = torch.device(device)
         self.stream = (
             torch.cuda.Stream(device=device) if enabled and device.type == "cuda" else None
         )
+        self.only_in_graphs = enabled == AUX_IN_GRAPHS
 
     def schedule(
         self,
@@ -323,7 +336,11 @@ class AuxStream:
         Returns:
             The experts' output and the shared expert's tensors.
         """
-        if torch.compiler.is_compiling() or self.stream is None:
+        if (
+            torch.compiler.is_compiling()
+            or self.stream is None
+            or (self.only_in_graphs and not torch.cuda.is_current_stream_capturing())
+        ):
             routed = experts(*route())
             return routed, shared()
         join = self.launch(shared)

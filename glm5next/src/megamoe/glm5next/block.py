@@ -62,9 +62,11 @@ class Glm5NextMegaMoeBlock(MoEBlock):
             linear placement, tensor parallel 1, redundant experts.
         fuse_shared: None fuses the shared expert where the run format allows; False never
             fuses; True requires fusing.
-        use_aux_stream: True issues an unfused shared expert on an auxiliary CUDA stream
-            beside the router; off by default: on the H200 issuing it after the MegaMoE
-            launch was faster (``benchmarks/bench_block.py``).
+        use_aux_stream: True issues the (unfused) shared expert on an auxiliary CUDA
+            stream beside the router, so their GPU work overlaps, at the host cost of the
+            stream switches; ``"graphs"`` does so only while a CUDA graph is captured
+            (``megamoe.core.shared_expert.AuxStream``); False issues it after the MegaMoE
+            launch on the same stream. Measured in ``benchmarks/bench_block.py``.
         shared_gemm: how the (unfused) shared expert multiplies
             (``megamoe.core.fp8_gemm.SharedGemm``): ``"bf16"`` (default; a block-FP8
             checkpoint is dequantized at load: measured faster on the H200), ``"deep_gemm"``
@@ -94,7 +96,7 @@ class Glm5NextMegaMoeBlock(MoEBlock):
         prefix: str,
         parallel: ParallelSettings,
         fuse_shared: bool | None = None,
-        use_aux_stream: bool = False,
+        use_aux_stream: bool | str = False,
         shared_gemm: str | None = "bf16",
         requant_chunk: int = DEFAULT_REQUANT_CHUNK,
         **options: Unpack[BlockOptions],
