@@ -39,6 +39,7 @@ run python3 benchmarks/bench_block.py --tokens 1,16,128,256,1024,4096 --json "$o
 run python3 benchmarks/bench_glm_requant.py --devices cuda --chunks 1,8 --json "$out/glm_requant.json"
 run python3 benchmarks/bench_load.py --reps 2 --json "$out/load.json"
 run python3 benchmarks/bench_router.py --json "$out/router.json"
+run python3 benchmarks/bench_combine.py --json "$out/combine.json"
 run python3 benchmarks/bench_shared_expert.py --json "$out/shared_expert.json"
 run python3 benchmarks/bench_ep.py --model deepgemm-ref --json "$out/ep-1.json"  # one rank
 run python3 benchmarks/bench_transformers.py --json "$out/transformers.json"
