@@ -86,7 +86,6 @@ _KEY_NAN = tl.constexpr(0x7FFFFFFF)  # int32 key of every NaN: above +inf's 0x7F
 _LOW_MAX = tl.constexpr(0x7FFFFFFF)  # a packed key's low word: index ^ _LOW_MAX
 _MASKED = tl.constexpr(-(2**63))  # packed key of a padded, excluded or chosen entry
 _NORM_EPS = tl.constexpr(NORM_EPS)
-_MAX_SPLITS = tl.constexpr(MAX_SPLITS)
 _WEIGHT_DTYPES = (torch.bfloat16, torch.float32)  # bf16: one product; float32: three
 
 
@@ -226,21 +225,15 @@ def _add_splits(
     E_PAD: tl.constexpr,
     ROWS: tl.constexpr,
 ) -> None:
-    """Logits of tokens ``first_token .. + ROWS``: their splits' partial sums, in order.
-
-    The loop is unrolled over ``MAX_SPLITS`` with the splits beyond ``splits`` masked off,
-    so every plane's load is issued before the first add waits: one L2 round trip instead
-    of one per split (a plane more adds ``+0.0``, which changes no sum).
-    """
+    """Logits of tokens ``first_token .. + ROWS``: their splits' partial sums, in order."""
     token = first_token + tl.arange(0, ROWS).to(tl.int64)
     expert = tl.arange(0, E_PAD)
     ok = (token < num_tokens)[:, None] & (expert < NUM_EXPERTS)[None, :]
     at = token[:, None] * NUM_EXPERTS + expert[None, :]
     total = tl.zeros([ROWS, E_PAD], dtype=tl.float32)
-    for split in tl.static_range(_MAX_SPLITS):
-        plane = split * num_tokens.to(tl.int64) * NUM_EXPERTS  # num_tokens may be 1
-        total += tl.load(partial_ptr + plane + at, mask=ok & (split < splits), other=0.0,
-                         cache_modifier=".cg")  # fmt: skip
+    for split in range(0, splits):
+        plane = tl.cast(split, tl.int64) * num_tokens * NUM_EXPERTS  # num_tokens may be 1
+        total += tl.load(partial_ptr + plane + at, mask=ok, other=0.0, cache_modifier=".cg")
     tl.store(logits_ptr + at, total, mask=ok)
     tl.debug_barrier()  # the selection reads these rows back
 
