@@ -22,7 +22,7 @@ from megamoe.core.errors import IncompleteShardsError, MissingExpertsError
 from megamoe.core.formats import WeightFormat
 from megamoe.core.parallel import ParallelSettings
 from megamoe.core.quant_config import detect_expert_format
-from megamoe.core.shared_expert import AuxStream, SwiGLUMLP
+from megamoe.core.shared_expert import AUX_IN_GRAPHS, AuxStream, SwiGLUMLP
 from megamoe.glm5next.config import MODEL_NAME, Glm5NextConfig
 from megamoe.glm5next.experts import DEFAULT_REQUANT_CHUNK, Glm5NextMegaMoEExperts
 from megamoe.glm5next.router import Glm5NextRouter
@@ -46,8 +46,9 @@ class Glm5NextMegaMoeBlock(MoEBlock):
     where the run format allows it (MXFP8, MXFP4, BF16: the SM100 kernel); otherwise
     (FP8_BLOCK: Hopper, or the reference path running block-FP8) it is a separate SwiGLU
     MLP, issued right after the MegaMoE launch on the same stream so that its host work
-    overlaps the kernel (or, with ``use_aux_stream``, on an auxiliary CUDA stream beside
-    the router, joined before the launch: ``megamoe.core.shared_expert.AuxStream``).
+    overlaps the kernel, or, while a CUDA graph is captured, on an auxiliary CUDA stream
+    beside the router, joined before the launch (``use_aux_stream``,
+    ``megamoe.core.shared_expert.AuxStream``).
     Both compute the same function, with the model's SwiGLU clamp
     (``swiglu_limit``: gate <= L, -L <= up <= L, before silu) in the routed experts and the
     shared expert alike. The router's expert ids go to the experts
@@ -62,11 +63,14 @@ class Glm5NextMegaMoeBlock(MoEBlock):
             linear placement, tensor parallel 1, redundant experts.
         fuse_shared: None fuses the shared expert where the run format allows; False never
             fuses; True requires fusing.
-        use_aux_stream: True issues the (unfused) shared expert on an auxiliary CUDA
-            stream beside the router, so their GPU work overlaps, at the host cost of the
-            stream switches; ``"graphs"`` does so only while a CUDA graph is captured
-            (``megamoe.core.shared_expert.AuxStream``); False issues it after the MegaMoE
-            launch on the same stream. Measured in ``benchmarks/bench_block.py``.
+        use_aux_stream: where the (unfused) shared expert runs
+            (``megamoe.core.shared_expert.AuxStream``). ``"graphs"`` (default): on an
+            auxiliary CUDA stream beside the router while a CUDA graph is captured (their
+            GPU work overlaps; the replay pays no host time for the switch), else after the
+            MegaMoE launch on the same stream. True: the auxiliary stream always; False:
+            never. On the H200 serial was faster eager at every measured size and the
+            auxiliary stream faster graphed at all but one (``benchmarks/bench_block.py``,
+            ``docs/gpu.md``).
         shared_gemm: how the (unfused) shared expert multiplies
             (``megamoe.core.fp8_gemm.SharedGemm``): ``"bf16"`` (default; a block-FP8
             checkpoint is dequantized at load: measured faster on the H200), ``"deep_gemm"``
@@ -96,7 +100,7 @@ class Glm5NextMegaMoeBlock(MoEBlock):
         prefix: str,
         parallel: ParallelSettings,
         fuse_shared: bool | None = None,
-        use_aux_stream: bool | str = False,
+        use_aux_stream: bool | str = AUX_IN_GRAPHS,
         shared_gemm: str | None = "bf16",
         requant_chunk: int = DEFAULT_REQUANT_CHUNK,
         **options: Unpack[BlockOptions],

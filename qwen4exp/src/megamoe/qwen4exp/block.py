@@ -16,7 +16,7 @@ from megamoe.core.kernels import TRITON_AVAILABLE, one_launch_router
 from megamoe.core.parallel import ParallelSettings
 from megamoe.core.quant_config import detect_expert_format
 from megamoe.core.router_logits import router_logits
-from megamoe.core.shared_expert import AuxStream, SwiGLUMLP
+from megamoe.core.shared_expert import AUX_IN_GRAPHS, AuxStream, SwiGLUMLP
 from megamoe.qwen4exp.config import MODEL_NAME, Qwen4ExpConfig
 from megamoe.qwen4exp.experts import Qwen4ExpMegaMoEExperts
 
@@ -56,9 +56,9 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
     ``forward`` routes (router linear, float32 softmax, top-k, renormalized when
     ``norm_topk_prob``), launches the routed experts, runs the shared SwiGLU expert scaled
     by ``sigmoid(shared_expert_gate(x))`` after that launch on the same stream (its host
-    work overlaps the kernel; ``use_aux_stream`` issues it on an auxiliary CUDA stream
-    beside the router instead, joined before the launch, which needs every SM), and
-    returns routed plus shared output for this rank's tokens; no collective follows.
+    work overlaps the kernel) or, while a CUDA graph is captured, on an auxiliary stream
+    beside the router, joined before the launch, which needs every SM (``use_aux_stream``),
+    and returns routed plus shared output for this rank's tokens; no collective follows.
 
     Args:
         config: the model config (a ``Qwen4ExpConfig`` or the ``config.json`` mapping).
@@ -66,11 +66,14 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
             ``mtp.layers.0.mlp``.
         parallel: expert-parallel group (required; a group of size 1 for one device),
             placement (linear) and tensor-parallel size (1).
-        use_aux_stream: True issues the (unfused) shared expert on an auxiliary CUDA
-            stream beside the router, so their GPU work overlaps, at the host cost of the
-            stream switches; ``"graphs"`` does so only while a CUDA graph is captured
-            (``megamoe.core.shared_expert.AuxStream``); False issues it after the MegaMoE
-            launch on the same stream. Measured in ``benchmarks/bench_block.py``.
+        use_aux_stream: where the (unfused) shared expert runs
+            (``megamoe.core.shared_expert.AuxStream``). ``"graphs"`` (default): on an
+            auxiliary CUDA stream beside the router while a CUDA graph is captured (their
+            GPU work overlaps; the replay pays no host time for the switch), else after the
+            MegaMoE launch on the same stream. True: the auxiliary stream always; False:
+            never. On the H200 serial was faster eager at every measured size and the
+            auxiliary stream faster graphed at all but one (``benchmarks/bench_block.py``,
+            ``docs/gpu.md``).
         shared_gemm: how the (unfused) shared expert multiplies
             (``megamoe.core.fp8_gemm.SharedGemm``): ``"bf16"`` (default; a block-FP8
             checkpoint is dequantized at load: measured faster on the H200), ``"deep_gemm"``
@@ -94,7 +97,7 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
         *,
         prefix: str,
         parallel: ParallelSettings,
-        use_aux_stream: bool | str = False,
+        use_aux_stream: bool | str = AUX_IN_GRAPHS,
         shared_gemm: str | None = "bf16",
         **options: Unpack[BlockOptions],
     ) -> None:
