@@ -194,11 +194,11 @@ def test_router_is_one_launch_with_the_torch_paths_choice(
 def test_combine_is_one_launch_with_the_torch_rule(
     hopper_block: Qwen4ExpMegaMoeBlock, device: torch.device, tokens: int, hidden: int
 ) -> None:
-    """On CUDA the block combines with ``gated_add``: within half a bf16 ulp (plus 1e-6)
-    of the float64 ``routed + sigmoid(x . g) * shared``, and the torch path's bf16 result
-    (float32 gate from cuBLAS, one ``addcmul``) for all but a few elements, which are one
-    bf16 ulp (plus 1e-6) apart (the gate's logit sums in another order, so a rounding may
-    flip)."""
+    """On CUDA the block combines with ``gated_add``. It and the torch path (cuBLAS's float32
+    gate logit, one ``addcmul``) are both within half a bf16 ulp of the float64
+    ``routed + sigmoid(x . g) * shared``, plus what a float32 sum of the gate's H products
+    may be off in any order: 1e-5 of the sum of |products| (the router tests' bound), times
+    sigmoid's slope (at most 1/4) and |shared|."""
     from megamoe.core.router_logits import router_logits
     from megamoe.qwen4exp.combine_triton import gated_add
 
@@ -211,13 +211,13 @@ def test_combine_is_one_launch_with_the_torch_rule(
     got = gated_add(routed, shared, x, gate_weight)
     assert got.dtype == torch.bfloat16 and got.shape == (tokens, hidden)
 
-    ref = routed.double() + shared.double() * torch.sigmoid(x.double() @ gate_weight.double().t())
-    assert bool(((got.double() - ref).abs() <= ref.abs() * 2**-8 * 1.001 + 1e-6).all())
+    x64, g64 = x.double(), gate_weight.double()
+    ref = routed.double() + shared.double() * torch.sigmoid(x64 @ g64.t())
+    gate_error = 0.25 * 1e-5 * (x64.abs() @ g64.abs().t())  # (tokens, 1)
+    bound = ref.abs() * 2**-8 * 1.001 + shared.double().abs() * gate_error * 1.01 + 1e-30
     gate = torch.sigmoid(router_logits(x, gate_weight))
     torch_path = torch.addcmul(routed, shared, gate).to(torch.bfloat16)
-    differ = got != torch_path
-    # One bf16 ulp is at most |value| * 2^-7; where routed and gate * shared cancel, the two
-    # float32 results may differ by their own rounding (~1e-7), so 1e-6 absolute on top.
-    ulp = torch_path.float().abs() * 2**-7 + 1e-6
-    assert int(differ.sum()) <= max(2, got.numel() // 1000)
-    assert bool(((got.float() - torch_path.float()).abs() <= ulp).all())
+    for name, out in (("gated_add", got), ("torch path", torch_path)):
+        excess = float(((out.double() - ref).abs() / bound).max())
+        print(f"{name}, {tokens}x{hidden}: error / bound {excess:.3f}")
+        assert excess <= 1.0, name
