@@ -302,8 +302,11 @@ class AuxStream:
     - auxiliary stream (``enabled=True`` on CUDA): the shared expert is issued first on a
       second stream, beside the router, and joined before the MegaMoE launch. Its GPU
       work then overlaps the router's, at the host cost of the stream switches.
-    - ``enabled=AUX_IN_GRAPHS`` (``"graphs"``): the auxiliary stream while a CUDA graph is
-      being captured (the replay pays no host cost for it), serial otherwise.
+    - ``enabled=AUX_IN_GRAPHS`` (``"graphs"``, the blocks' default): the auxiliary stream
+      while a CUDA graph is being captured (the replay pays no host cost for it), serial
+      otherwise. On the H200 (``benchmarks/bench_block.py``, ``docs/gpu.md``) the auxiliary
+      stream made the eager blocks 1.26-1.53x slower in 9 of 10 measured rows and the
+      graphed ones up to 9% faster in 8 of 10.
 
     Args:
         device: the device the work runs on.

@@ -63,14 +63,9 @@ class Glm5NextMegaMoeBlock(MoEBlock):
             linear placement, tensor parallel 1, redundant experts.
         fuse_shared: None fuses the shared expert where the run format allows; False never
             fuses; True requires fusing.
-        use_aux_stream: where the (unfused) shared expert runs
-            (``megamoe.core.shared_expert.AuxStream``). ``"graphs"`` (default): on an
-            auxiliary CUDA stream beside the router while a CUDA graph is captured (their
-            GPU work overlaps; the replay pays no host time for the switch), else after the
-            MegaMoE launch on the same stream. True: the auxiliary stream always; False:
-            never. On the H200 serial was faster eager at every measured size and the
-            auxiliary stream faster graphed at all but one (``benchmarks/bench_block.py``,
-            ``docs/gpu.md``).
+        use_aux_stream: the shared expert's schedule, ``"graphs"`` (default: the
+            auxiliary stream only inside captured CUDA graphs), True or False; see
+            ``megamoe.core.shared_expert.AuxStream``.
         shared_gemm: how the (unfused) shared expert multiplies
             (``megamoe.core.fp8_gemm.SharedGemm``): ``"bf16"`` (default; a block-FP8
             checkpoint is dequantized at load: measured faster on the H200), ``"deep_gemm"``
