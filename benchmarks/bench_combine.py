@@ -19,13 +19,19 @@ CUDA-event medians after warm-up:
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from harness import copy_bytes_per_s, cuda_graph_replay, cuda_median_ms, format_table, write_json
+from harness import (
+    copy_bytes_per_s,
+    cuda_graph_replay,
+    cuda_median_ms,
+    format_table,
+    host_us,
+    write_json,
+)
 from megamoe.core.router_logits import router_logits
 from megamoe.qwen4exp.combine_triton import gated_add
 
@@ -51,18 +57,6 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--json", default="bench_combine.json")
     return p.parse_args(argv)
-
-
-def host_us(fn: Callable[[], object], reps: int) -> float:
-    """Host microseconds per call of ``fn``, ``reps`` calls back to back (no sync between)."""
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return 1e6 * elapsed / reps
 
 
 def measure(count: int, args: argparse.Namespace, bandwidth: float) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """What the benchmark scripts share around the thing each measures.
 
-CUDA-event timing, the device copy bandwidth that serves as a memory-bound ceiling,
+CUDA-event and host timing, the device copy bandwidth that serves as a memory-bound ceiling,
 model-like weights, a one-rank experts layer, ``src:dst`` format-pair options, and the
 report (a fixed-width table, a JSON file). The scripts run as ``python3
 benchmarks/bench_x.py``, so Python finds this module beside them.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,18 @@ def cuda_median_ms(fn: Callable[[], object], warmup: int, reps: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def host_us(fn: Callable[[], object], reps: int) -> float:
+    """Host microseconds per call of ``fn``, ``reps`` calls back to back (no sync between)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return 1e6 * elapsed / reps
 
 
 def cuda_graph_replay(fn: Callable[[], object], warmup: int = 3) -> Callable[[], None]:

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from megamoe.core.kernels.launch import KernelLaunch, aligned
+from megamoe.core.kernels.launch import KernelLaunch, eager_key
 
 __all__ = ["MAX_BLOCK_H", "gated_add"]
 
@@ -94,12 +94,7 @@ def gated_add(
         return out
     block_h = min(MAX_BLOCK_H, triton.next_power_of_2(hidden))
     warps = max(4, min(16, block_h // 256))
-    key = None
-    if not torch.compiler.is_compiling():
-        pointers = out.data_ptr()
-        for tensor in inputs:
-            pointers |= tensor.data_ptr()
-        key = (hidden, block_h, warps, out.device.index) if aligned(pointers) else None
+    key = eager_key((hidden, block_h, warps), *inputs)  # every dtype is bf16
     _launch(key, (tokens, 1, 1), out.device.index, (*inputs, out), (hidden, block_h),
             warps)  # fmt: skip
     return out

@@ -26,7 +26,7 @@ import triton
 from triton import knobs
 from triton.runtime.jit import JITFunction
 
-__all__ = ["DIRECT_LAUNCH", "KernelLaunch", "aligned"]
+__all__ = ["DIRECT_LAUNCH", "KernelLaunch", "eager_key"]
 
 ALIGNMENT = 16  # bytes: Triton specializes pointers divisible by 16
 # The direct launch makes the JIT's own call of a compiled kernel's launcher: (grid x3,
@@ -45,9 +45,27 @@ def _hooked() -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-def aligned(pointer: int) -> bool:
-    """Whether a data pointer is one the JIT specializes as 16-byte aligned."""
-    return pointer % ALIGNMENT == 0
+def eager_key(variant: Hashable, *inputs: torch.Tensor) -> Hashable | None:
+    """A direct launch's key: ``variant`` and the inputs' device, or None for the JIT.
+
+    None under ``torch.compile`` (which launches through the JIT and cannot trace
+    ``data_ptr``) and where an input's data is not 16-byte aligned (the JIT specializes on
+    it; rare enough to pay the JIT's host time). Outputs need no test: the caching
+    allocator aligns fresh allocations.
+
+    Args:
+        variant: what else fixes the compiled kernel (constexprs, warps, input dtypes the
+            constexprs do not fix).
+        inputs: the launch's input tensors, on one device.
+    """
+    if torch.compiler.is_compiling():
+        return None
+    pointers = 0
+    for tensor in inputs:
+        pointers |= tensor.data_ptr()
+    if pointers % ALIGNMENT:
+        return None
+    return (variant, inputs[0].device.index)
 
 
 class KernelLaunch:

@@ -47,6 +47,7 @@ differs between shapes; the adapters' GPU tests bound them against float64.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -55,7 +56,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from megamoe.core.kernels.launch import KernelLaunch, aligned
+from megamoe.core.kernels.launch import KernelLaunch, eager_key
 from megamoe.core.router_logits import router_logits
 
 __all__ = [
@@ -402,24 +403,14 @@ class _Plan(NamedTuple):
     variant: tuple[Any, ...]
 
 
-def _variant(plan: _Plan, *inputs: torch.Tensor) -> tuple | None:
-    """The launch's variant key in eager mode; None (launch through the JIT) otherwise.
+def _variant(plan: _Plan, *inputs: torch.Tensor) -> Hashable | None:
+    """The launch's key (``launch.eager_key``), or None for the JIT.
 
-    The key: every constexpr and the warps (``plan.variant``), the device and the last
-    input's dtype (the bias's, or the weight standing in for it; the others' dtypes are
-    checked or fixed by the constexprs, the outputs are fresh allocations). None under
-    ``torch.compile`` (which launches through the JIT and cannot trace ``data_ptr``) and
-    where an input is not 16-byte aligned (the JIT specializes on it; rare enough to pay
-    the JIT's host time).
+    Beside the device: every constexpr and the warps (``plan.variant``) and the last
+    input's dtype (the bias's, or the weight standing in for it; the other dtypes are
+    checked or fixed by the constexprs).
     """
-    if torch.compiler.is_compiling():
-        return None
-    pointers = 0
-    for tensor in inputs:
-        pointers |= tensor.data_ptr()
-    if not aligned(pointers):
-        return None
-    return (plan.variant, inputs[0].device.index, inputs[-1].dtype)
+    return eager_key((plan.variant, inputs[-1].dtype), *inputs)
 
 
 @dataclass(frozen=True)
