@@ -8,16 +8,21 @@ measures (CUDA-event medians after warm-up):
   weights and routing, called directly (no megamoe code in between);
 - the block's parts alone: ``router``, ``shared`` expert, ``experts`` module;
 - the block as built by default (``use_aux_stream="graphs"``): ``eager`` (the shared
-  expert issued after the MegaMoE launch on the same stream) and ``graphed`` (a CUDA graph
-  of it, replayed: the shared expert beside the router on the auxiliary stream); the
-  other schedules of the same block (its ``aux_stream`` swapped): ``aux`` (eager on the
-  auxiliary stream, ``use_aux_stream=True``) and ``serial graphed`` (graphed on one
-  stream, ``use_aux_stream=False``); ``compiled`` (``torch.compile(fullgraph=True)``,
-  dynamic token count, where the shared expert always runs inline);
+  expert issued after the MegaMoE launch on the same stream; each call timed alone and
+  synced), ``eager b2b`` (calls queued back to back with no sync between them, as an
+  engine's eager prefill queues layer after layer; ``b+s b2b`` queues the bare kernel and
+  the shared expert the same way; ``eager host`` and ``b+s host`` are the host time per
+  call of each, ``harness.host_us``) and ``graphed`` (a CUDA graph of it, replayed: the shared
+  expert beside the router on the auxiliary stream); the other schedules of the same block
+  (its ``aux_stream`` swapped): ``aux`` (eager on the auxiliary stream,
+  ``use_aux_stream=True``) and ``serial graphed`` (graphed on one stream,
+  ``use_aux_stream=False``); ``compiled`` (``torch.compile(fullgraph=True)``, dynamic token
+  count, where the shared expert always runs inline);
 
-and the ratios the engine-speed issue targets: eager / (bare + shared expert), and the
-graphed blocks over a CUDA graph of just the bare kernel and the shared expert. Weights
-are random block-FP8 made on the GPU (no checkpoint).
+and the ratios the engine-speed issue targets: eager / (bare + shared expert), the same
+back to back (eager b2b / b+s b2b), and the graphed blocks over a CUDA graph of just the
+bare kernel and the shared expert. Weights are random block-FP8 made on the GPU (no
+checkpoint).
 
     python benchmarks/bench_block.py                   # E=64, top-8, H=4096, I=1536, shared 1536
     python benchmarks/bench_block.py --tokens 1,128 --adapters glm5next --json block.json
@@ -31,7 +36,15 @@ from typing import Any
 
 import torch
 
-from harness import add_shape_args, cuda_graph_replay, cuda_median_ms, format_table, write_json
+from harness import (
+    add_shape_args,
+    cuda_back_to_back_ms,
+    cuda_graph_replay,
+    cuda_median_ms,
+    format_table,
+    host_us,
+    write_json,
+)
 from megamoe.core import quant
 from megamoe.core.adapters import MoEBlock, SyntheticSizes
 from megamoe.core.backends.symm_buffer import resolve_group
@@ -54,12 +67,17 @@ COLUMNS = (
     ("shared", ">7.1f", "shared_us"),
     ("experts", ">8.1f", "experts_us"),
     ("eager", ">7.1f", "eager_us"),
+    ("eager b2b", ">9.1f", "eager_b2b_us"),
+    ("b+s b2b", ">7.1f", "bare_shared_b2b_us"),
+    ("eager host", ">10.1f", "eager_host_us"),
+    ("b+s host", ">8.1f", "bare_shared_host_us"),
     ("aux", ">7.1f", "aux_us"),
     ("compiled", ">8.1f", "compiled_us"),
     ("graphed", ">8.1f", "graphed_us"),
     ("serial graphed", ">14.1f", "serial_graphed_us"),
     ("b+s graphed", ">11.1f", "bare_shared_graphed_us"),
     ("eager/(b+s)", ">11.2f", "eager_ratio"),
+    ("eager b2b/(b+s) b2b", ">19.2f", "eager_b2b_ratio"),
     ("graphed/(b+s) graphed", ">21.2f", "graphed_ratio"),
     ("serial graphed/(b+s) graphed", ">28.2f", "serial_graphed_ratio"),
 )
@@ -162,6 +180,9 @@ def measure(
     def time(fn: Callable[[], object]) -> float:
         return 1e3 * cuda_median_ms(fn, args.warmup, args.iters)
 
+    def back_to_back(fn: Callable[[], object]) -> float:
+        return 1e3 * cuda_back_to_back_ms(fn, args.warmup, args.iters)
+
     def scheduled(use_aux_stream: bool, graphed: bool) -> float:
         """The block's time with its shared expert scheduled by ``use_aux_stream``."""
         default = block.aux_stream  # type: ignore[attr-defined]
@@ -180,6 +201,10 @@ def measure(
             "shared_us": time(lambda: shared(x)),
             "experts_us": time(lambda: block.experts(x, weights, ids)),
             "eager_us": time(lambda: block(x)),
+            "eager_b2b_us": back_to_back(lambda: block(x)),
+            "bare_shared_b2b_us": back_to_back(lambda: (bare(x, weights, ids), shared(x))[0]),
+            "eager_host_us": host_us(lambda: block(x), args.iters),
+            "bare_shared_host_us": host_us(lambda: (bare(x, weights, ids), shared(x)), args.iters),
             "aux_us": scheduled(True, graphed=False),
             "graphed_us": time(cuda_graph_replay(lambda: block(x))),
             "serial_graphed_us": scheduled(False, graphed=True),
@@ -190,6 +215,7 @@ def measure(
         if compiled is not None:
             row["compiled_us"] = time(lambda: compiled(x))
     row["eager_ratio"] = row["eager_us"] / (row["bare_us"] + row["shared_us"])
+    row["eager_b2b_ratio"] = row["eager_b2b_us"] / row["bare_shared_b2b_us"]
     row["graphed_ratio"] = row["graphed_us"] / row["bare_shared_graphed_us"]
     row["serial_graphed_ratio"] = row["serial_graphed_us"] / row["bare_shared_graphed_us"]
     return row

@@ -51,6 +51,31 @@ def cuda_median_ms(fn: Callable[[], object], warmup: int, reps: int) -> float:
     return statistics.median(times)
 
 
+def cuda_back_to_back_ms(
+    fn: Callable[[], object], warmup: int, reps: int, batches: int = 3
+) -> float:
+    """Milliseconds per call of ``fn`` queued ``reps`` times back to back (median of batches).
+
+    No sync between the calls: two CUDA events bracket the whole batch. This is the time an
+    engine sees per MoE layer in eager mode, where the host queues layer after layer and
+    host work overlaps the GPU work already queued. ``cuda_median_ms`` syncs after every
+    call, so it also counts host time before the first long kernel.
+    """
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(batches):
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    return statistics.median(times)
+
+
 def host_us(fn: Callable[[], object], reps: int) -> float:
     """Host microseconds per call of ``fn``, ``reps`` calls back to back (no sync between)."""
     fn()
