@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megamoe.core import bench, cli, commands, quant
+from megamoe.core import bench, block_setup, cli, commands, quant
 from megamoe.core.adapters import SyntheticSizes
 from megamoe.core.formats import ARCHES, WeightFormat
 from megamoe.core.inspection import expert_kernel_bytes, human_bytes
@@ -306,9 +306,10 @@ def test_help_and_version_import_no_torch() -> None:
 
 def test_the_parser_spells_the_formats_and_targets_of_megamoe_core() -> None:
     # Every format the command offers exists (a format added to megamoe-core is offered
-    # once the loaders and convert take it).
+    # once the loaders and convert take it); checkpoint options take every stored format.
     assert set(cli.FORMATS) <= {f.value for f in WeightFormat}
     assert {"bf16", "fp8_block", "mxfp8", "mxfp4"} <= set(cli.FORMATS)
+    assert set(cli.CHECKPOINT_FORMATS) == {f.value for f in WeightFormat}
     assert cli.ARCHES == ARCHES
     assert set(cli.TARGETS) == set(cli.FORMATS) - {"bf16"}
 
@@ -378,19 +379,33 @@ def test_bench_only_names_the_parts(capsys: pytest.CaptureFixture[str]) -> None:
             "Pass --moe-format mxfp8 to choose this",
         ),
         ("convert", "moe_format='mxfp8'", "moe_format='mxfp8'"),  # convert has no such flag
+        (
+            "verify",
+            "the reference backend runs here; use backend='reference' or backend=auto",
+            "the reference backend runs here; use --backend reference or --backend auto",
+        ),
+        ("demo", "use backend='reference'", "use --backend reference"),
     ],
 )
 def test_messages_speak_in_the_commands_flags(command: str, message: str, said: str) -> None:
     assert cli.speak_in_flags(command, message) == said
 
 
-def test_a_library_error_is_printed_with_the_flag(
-    checkpoint: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_a_moe_format_the_target_cannot_run_is_a_usage_mistake_said_with_the_flag(
+    checkpoint: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    command: str,
 ) -> None:
-    argv = ["inspect", str(checkpoint), "--arch", "sm90", "--moe-format", "mxfp4"]
-    assert cli.main(argv) == cli.EXIT_FAIL
+    # verify resolves the target from --backend and --device: make this machine a Hopper one
+    # (it refuses before loading anything, so nothing needs the GPU).
+    monkeypatch.setattr(block_setup, "detect_arch", lambda device: "sm90")
+    target = ["--arch", "sm90"] if command == "inspect" else ["--device", "cpu"]
+    argv = [command, str(checkpoint), *target, "--moe-format", "mxfp4"]
+    assert cli.main(argv) == cli.EXIT_USAGE
     err = capsys.readouterr().err
-    assert err.startswith("megamoe inspect: error: --moe-format mxfp4 cannot run on sm90")
+    assert err.startswith(f"megamoe {command}: error: --moe-format mxfp4 cannot run on sm90")
     assert "moe_format" not in err
 
 

@@ -144,6 +144,11 @@ class ExpertPlan:
         )
 
 
+def target_arch(arch: str | None, backend: str, device: torch.device) -> str:
+    """What a layer's formats are resolved for: ``arch``, else the backend's or device's."""
+    return arch or (ARCH_REFERENCE if backend == "reference" else detect_arch(device))
+
+
 def plan_experts(
     model_name: str,
     prefix: str,
@@ -204,7 +209,7 @@ def plan_experts(
     checkpoint_format = detect_expert_format(
         config.quantization_config, f"{prefix}.{EXPERTS}", num_experts=num_logical
     )
-    target = arch or (ARCH_REFERENCE if backend == "reference" else detect_arch(where))
+    target = target_arch(arch, backend, where)
     _, run_format = resolve_formats(checkpoint_format, None if mtp else moe_format, target)
     if (model_name, checkpoint_format, run_format) not in _logged:
         _logged.add((model_name, checkpoint_format, run_format))

@@ -25,8 +25,10 @@ EXIT_FAIL = 1  # an error, or a forward beyond tolerance
 EXIT_USAGE = 2  # an option the command cannot use (argparse's code too)
 EXIT_INTERRUPTED = 130
 # The values of megamoe.core.formats' WeightFormat and ARCHES, spelled out so that parsing
-# needs no torch (core/tests/test_cli.py checks that each exists there).
+# needs no torch (core/tests/test_cli.py checks that each exists there). FORMATS are the run
+# formats; CHECKPOINT_FORMATS add NVFP4, which checkpoints store and nothing runs as.
 FORMATS = ("bf16", "fp8_block", "mxfp8", "mxfp4")
+CHECKPOINT_FORMATS = (*FORMATS, "nvfp4")
 ARCHES = ("sm90", "sm100", "reference")
 TARGETS = ("mxfp8", "mxfp4", "fp8_block")
 BACKENDS = ("auto", "reference", "deepgemm")
@@ -36,7 +38,8 @@ ADAPTER_GROUP = "megamoe.adapters"
 # Python API parameter names in library messages -> the flag each command takes for them.
 PARAMETER_FLAGS = {
     "inspect": {"moe_format": "--moe-format"},
-    "verify": {"moe_format": "--moe-format", "max_num_tokens": "--tokens"},
+    "verify": {"moe_format": "--moe-format", "max_num_tokens": "--tokens", "backend": "--backend"},
+    "demo": {"backend": "--backend"},
 }
 
 
@@ -161,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--format",
         action="append",
-        choices=FORMATS,
+        choices=CHECKPOINT_FORMATS,
         help="only this checkpoint format (repeatable)",
     )
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -177,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--adapter", help="installed adapter (default: the only one installed)")
     sample.add_argument(
         "--format",
-        choices=FORMATS,
+        choices=CHECKPOINT_FORMATS,
         help="expert format (default: the adapter's first, its release's)",
     )
     sample.add_argument(
@@ -280,11 +283,14 @@ def speak_in_flags(command: str, message: str) -> str:
     """``message`` with the Python parameter names it uses replaced by ``command``'s flags.
 
     Library messages serve the Python API (``moe_format='mxfp4'``); the command names the
-    flag the user typed (``--moe-format mxfp4``).
+    flag the user typed (``--moe-format mxfp4``). A name alone is replaced only where it
+    cannot be an English word (it has an underscore): ``backend='reference'`` becomes
+    ``--backend reference``, "the reference backend" stays.
     """
     for name, flag in PARAMETER_FLAGS.get(command, {}).items():
         message = re.sub(rf"\b{name}=(['\"]?)([^'\"\s;,)]+)\1", rf"{flag} \2", message)
-        message = re.sub(rf"\b{name}\b", flag, message)
+        if "_" in name:
+            message = re.sub(rf"\b{name}\b", flag, message)
     return message
 
 

@@ -11,6 +11,7 @@ import functools
 import os
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TextIO
@@ -174,7 +175,7 @@ def run_convert(args: argparse.Namespace) -> int:
     """``megamoe convert``."""
     from megamoe.core.convert import convert_checkpoint
 
-    result = convert_checkpoint(args.checkpoint, args.out, args.to, progress=not args.no_progress)
+    result = convert_checkpoint(args.checkpoint, args.out, args.to, progress=_progress_on(args))
     _out(
         f"wrote {result.out}: {result.converted} expert projection(s) requantized to "
         f"{result.target.value}, {result.copied} tensor(s) copied unchanged; "
@@ -215,7 +216,9 @@ def select_layers(layers: Sequence[MoELayer], spec: str | None) -> list[MoELayer
 
 def run_verify(args: argparse.Namespace) -> int:
     """``megamoe verify``."""
+    from megamoe.core.block_setup import target_arch
     from megamoe.core.checkpoint import open_checkpoint
+    from megamoe.core.inspection import run_formats
     from megamoe.core.parallel import ParallelSettings, single_rank_group
     from megamoe.core.verify import source_layers, verify_layer
 
@@ -226,6 +229,9 @@ def run_verify(args: argparse.Namespace) -> int:
         sources = source_layers(reader, adapter, source, source_adapter)
     layers = select_layers(reader.layers, args.layers)
     device = resolve_device(args.device)
+    with warnings.catch_warnings():  # each layer's load warns of its conversion itself
+        warnings.simplefilter("ignore")
+        run_formats(layers, args.moe_format, target_arch(None, args.backend, device))
     parallel = ParallelSettings(ep_group=single_rank_group(device))
     rows, failed = [], 0
     with _bar(len(layers), "layer", _progress_on(args)) as bar:

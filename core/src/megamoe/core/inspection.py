@@ -7,6 +7,7 @@ validates a checkpoint (``megamoe.core.checkpoint``), never tensor data.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,6 +83,31 @@ def expert_kernel_bytes(fmt: WeightFormat, hidden_size: int, intermediate_size: 
     return total
 
 
+def run_formats(
+    layers: Sequence[MoELayer], moe_format: WeightFormat | str | None, arch: str
+) -> list[WeightFormat]:
+    """The format each layer's experts run as on ``arch`` (MTP layers ignore ``moe_format``).
+
+    Conversions warn, as ``resolve_formats`` does.
+
+    Raises:
+        UsageError: ``moe_format`` is one ``arch`` cannot run, or that no stored format
+            converts to (a ``ValueError``; the message names the formats that run).
+        ValueError: a stored format ``arch`` cannot run.
+    """
+    runs = []
+    for layer in layers:
+        forced = None if layer.is_mtp else moe_format
+        try:
+            _, run = resolve_formats(layer.checkpoint_format, forced, arch)
+        except ValueError as exc:
+            if forced is None:
+                raise
+            raise UsageError(str(exc)) from exc
+        runs.append(run)
+    return runs
+
+
 def plan_checkpoint(
     path: str | Path,
     *,
@@ -101,8 +127,9 @@ def plan_checkpoint(
         The plan.
 
     Raises:
-        UsageError: ``ep_size`` does not divide the experts (a ``ValueError``).
-        ValueError: a format the target cannot run.
+        UsageError: ``ep_size`` does not divide the experts, or ``moe_format`` is one the
+            target cannot run (each a ``ValueError``).
+        ValueError: a stored format the target cannot run.
         CheckpointError: a missing, unreadable or mismatching tensor (headers only).
     """
     reader, adapter = open_checkpoint(path)
@@ -113,15 +140,13 @@ def plan_checkpoint(
             "places experts linearly in equal parts per rank"
         )
     arch = detect_arch("cuda") if arch is None else arch
-    plans = []
-    for layer in reader.layers:
-        with warnings.catch_warnings():  # the table states every conversion
-            warnings.simplefilter("ignore")
-            _, run = resolve_formats(
-                layer.checkpoint_format, None if layer.is_mtp else moe_format, arch
-            )
-        per_rank = num_experts // ep_size * expert_kernel_bytes(run, hidden, inter)
-        plans.append(LayerPlan(layer, run, per_rank))
+    with warnings.catch_warnings():  # the table states every conversion
+        warnings.simplefilter("ignore")
+        runs = run_formats(reader.layers, moe_format, arch)
+    plans = [
+        LayerPlan(layer, run, num_experts // ep_size * expert_kernel_bytes(run, hidden, inter))
+        for layer, run in zip(reader.layers, runs, strict=True)
+    ]
     files = set(reader.weight_map.values())
     return CheckpointPlan(
         path=reader.path,
