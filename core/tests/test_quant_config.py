@@ -7,7 +7,12 @@ from typing import Any
 import pytest
 
 from megamoe.core.formats import WeightFormat
-from megamoe.core.quant_config import CONVERTED_KEY, detect_expert_format, mark_converted
+from megamoe.core.quant_config import (
+    CONVERTED_KEY,
+    detect_expert_format,
+    detect_mlp_format,
+    mark_converted,
+)
 
 PREFIX = "model.layers.3.mlp.experts"
 FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
@@ -60,6 +65,32 @@ def test_fp8_ignored_experts_are_bf16(ignore: list[str], key: str) -> None:
     assert detect_expert_format({**FP8, key: ignore}, PREFIX) is WeightFormat.BF16
 
 
+SHARED = "model.layers.3.mlp.shared_experts"
+
+
+@pytest.mark.parametrize(
+    "ignore",
+    [
+        [SHARED],
+        [f"{SHARED}.{proj}" for proj in ("down_proj", "gate_proj", "up_proj")],  # transformers
+        ["re:.*shared_experts.*"],
+    ],
+)
+def test_a_shared_expert_ignored_whole_or_by_each_projection_is_bf16(ignore: list[str]) -> None:
+    config = {**FP8, "modules_to_not_convert": ["lm_head", *ignore]}
+    assert detect_mlp_format(config, SHARED) is WeightFormat.BF16
+    assert detect_expert_format(config, PREFIX, num_experts=4) is WeightFormat.FP8_BLOCK
+
+
+def test_a_shared_expert_ignored_in_part_is_refused_by_name() -> None:
+    config = {**FP8, "modules_to_not_convert": [f"{SHARED}.down_proj", f"{SHARED}.up_proj"]}
+    with pytest.raises(NotImplementedError, match=rf"{SHARED}: .*only some of its modules"):
+        detect_mlp_format(config, SHARED)
+    assert detect_mlp_format({**FP8, "modules_to_not_convert": []}, SHARED) is (
+        WeightFormat.FP8_BLOCK
+    )
+
+
 def test_fp8_ignore_of_other_layers_or_router_keeps_fp8() -> None:
     ignore = ["model.layers.3.mlp.gate", "model.layers.30.mlp.experts", "lm_head", "gate"]
     config = {**FP8, "modules_to_not_convert": ignore}
@@ -85,7 +116,7 @@ def test_compressed_tensors_group_targeting_experts_wins() -> None:
 
 def test_partial_ignore_is_refused_naming_the_modules() -> None:
     config = {**FP8, "modules_to_not_convert": ["model.layers.3.mlp.experts.1.down_proj"]}
-    with pytest.raises(NotImplementedError, match=r"ignores only some routed expert modules"):
+    with pytest.raises(NotImplementedError, match=r"ignores only some of its modules"):
         detect_expert_format(config, PREFIX, num_experts=4)
     # Without the expert count a plain name below the prefix still shows.
     with pytest.raises(NotImplementedError, match=r"experts\.1\.down_proj"):
@@ -175,7 +206,7 @@ def test_modelopt_wildcards_of_other_modules_keep_nvfp4() -> None:
 
 def test_modelopt_wildcard_over_some_experts_is_refused() -> None:
     config = {**MODELOPT, "ignore": ["model.layers.3.mlp.experts.[01].*"]}
-    with pytest.raises(NotImplementedError, match="ignores only some routed expert modules"):
+    with pytest.raises(NotImplementedError, match="ignores only some of its modules"):
         detect_expert_format(config, PREFIX, num_experts=4)
 
 

@@ -21,7 +21,7 @@ from megamoe.core.checkpoint import CheckpointReader
 from megamoe.core.convert import convert_checkpoint
 from megamoe.core.formats import WeightFormat
 from megamoe.core.parallel import ParallelSettings
-from megamoe.core.quant_config import detect_expert_format
+from megamoe.core.quant_config import detect_mlp_format
 from megamoe.glm5next import ADAPTER, Glm5NextAdapter
 from megamoe.glm5next.config import Glm5NextConfig
 
@@ -133,7 +133,7 @@ def test_converted_config_marks_routed_and_shared_experts(glm_checkpoint: Checkp
     quant_config = converted["quantization_config"]
     for layer in ADAPTER.moe_layers(converted):
         assert layer.checkpoint_format is MX
-        shared = detect_expert_format(quant_config, f"{layer.prefix}.shared_experts")
+        shared = detect_mlp_format(quant_config, f"{layer.prefix}.shared_experts")
         assert shared is MX  # fused into the kernel as one more expert: same format
     assert (
         config["quantization_config"]

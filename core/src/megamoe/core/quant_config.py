@@ -81,6 +81,27 @@ def detect_expert_format(
             names it and ``prefix``.
         ValueError: a malformed ``quantization_config`` (the message names the key).
     """
+    return _detect(quantization_config, prefix, _expert_modules(prefix, num_experts))
+
+
+def detect_mlp_format(quantization_config: Mapping[str, Any] | None, prefix: str) -> WeightFormat:
+    """How the checkpoint stores one SwiGLU MLP under ``prefix`` (a shared expert).
+
+    As :func:`detect_expert_format`, for the MLP's ``{gate,up,down}_proj``: an ignore list
+    that names each of them keeps the MLP in BF16, as one naming ``prefix`` itself does
+    (transformers writes either); one that names some of them is refused.
+
+    Raises:
+        NotImplementedError: as :func:`detect_expert_format`.
+        ValueError: a malformed ``quantization_config``.
+    """
+    return _detect(quantization_config, prefix, [f"{prefix}.{proj}" for proj in EXPERT_PROJS])
+
+
+def _detect(
+    quantization_config: Mapping[str, Any] | None, prefix: str, modules: Sequence[str]
+) -> WeightFormat:
+    """:func:`detect_expert_format` with the linear modules ``prefix`` holds (maybe none)."""
     if not quantization_config:
         return WeightFormat.BF16
     converted = _converted_format(quantization_config, prefix)
@@ -95,7 +116,6 @@ def detect_expert_format(
             "remove quantization_config for a BF16 checkpoint or set its quant_method"
         )
     method = method.lower()
-    modules = _expert_modules(prefix, num_experts)
     if method == METHOD_COMPRESSED_TENSORS:
         if _ignored(quantization_config, (COMPRESSED_TENSORS_IGNORE_KEY,), prefix, modules):
             return WeightFormat.BF16
@@ -300,9 +320,9 @@ def _ignored(
     if hits or below:
         shown = (hits or below)[:4]
         raise NotImplementedError(
-            f"{prefix}: quantization_config ignores only some routed expert modules (e.g. "
-            f"{', '.join(shown)}); MegaMoE needs every expert of a layer in one format: "
-            f"list {prefix} itself or none of its experts"
+            f"{prefix}: quantization_config ignores only some of its modules (e.g. "
+            f"{', '.join(shown)}); MegaMoE needs all of them in one format: list {prefix} "
+            "itself or none of its modules"
         )
     return False
 

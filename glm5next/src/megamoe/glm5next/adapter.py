@@ -10,7 +10,7 @@ import torch
 from megamoe.core.adapters import MLP, ModelAdapter, MoEBlock, MoELayer, SharedExpert
 from megamoe.core.formats import WeightFormat
 from megamoe.core.hf_config import MoEConfig
-from megamoe.core.quant_config import detect_expert_format
+from megamoe.core.quant_config import detect_mlp_format
 from megamoe.glm5next import reference, synthetic
 from megamoe.glm5next.block import SHARED_EXPERTS, Glm5NextMegaMoeBlock
 from megamoe.glm5next.config import ARCHITECTURES, MODEL_TYPES, Glm5NextConfig
@@ -63,7 +63,7 @@ class Glm5NextAdapter(ModelAdapter):
         if not cfg.n_shared_experts:
             return None
         prefix = f"{layer.prefix}.{SHARED_EXPERTS}"
-        fmt = detect_expert_format(cfg.quantization_config, prefix)
+        fmt = detect_mlp_format(cfg.quantization_config, prefix)
         return SharedExpert(prefix, fmt, cfg.shared_intermediate_size)
 
 

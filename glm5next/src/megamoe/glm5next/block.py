@@ -21,7 +21,7 @@ from megamoe.core.dense_update import DenseUpdate, discard_on_error
 from megamoe.core.errors import IncompleteShardsError, MissingExpertsError
 from megamoe.core.formats import WeightFormat
 from megamoe.core.parallel import ParallelSettings
-from megamoe.core.quant_config import detect_expert_format
+from megamoe.core.quant_config import detect_mlp_format
 from megamoe.core.shared_expert import AUX_IN_GRAPHS, AuxStream, SwiGLUMLP
 from megamoe.glm5next.config import MODEL_NAME, Glm5NextConfig
 from megamoe.glm5next.experts import DEFAULT_REQUANT_CHUNK, Glm5NextMegaMoEExperts
@@ -106,7 +106,7 @@ class Glm5NextMegaMoeBlock(MoEBlock):
         self.config, self.prefix, self.requant_chunk = cfg, prefix, requant_chunk
         self.is_mtp, self.device = plan.is_mtp, plan.device
         shared_format = (
-            detect_expert_format(cfg.quantization_config, f"{prefix}.{SHARED_EXPERTS}")
+            detect_mlp_format(cfg.quantization_config, f"{prefix}.{SHARED_EXPERTS}")
             if cfg.n_shared_experts
             else None
         )

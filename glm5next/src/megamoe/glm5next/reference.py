@@ -15,7 +15,7 @@ import torch
 
 from megamoe.core import quant
 from megamoe.core.formats import WeightFormat
-from megamoe.core.quant_config import detect_expert_format
+from megamoe.core.quant_config import detect_expert_format, detect_mlp_format
 from megamoe.core.swiglu import swiglu
 from megamoe.glm5next.config import Glm5NextConfig
 from megamoe.glm5next.router import grouped_topk, routing_of
@@ -74,7 +74,7 @@ def reference_forward(
         out.index_add_(0, token, routed * topk_weights[token, k, None])
     if cfg.n_shared_experts:
         shared_prefix = f"{prefix}.shared_experts"
-        shared_fmt = detect_expert_format(cfg.quantization_config, shared_prefix)
+        shared_fmt = detect_mlp_format(cfg.quantization_config, shared_prefix)
         projs = [
             _dense_projection(reader, f"{shared_prefix}.{p}", shared_fmt, block) for p in _PROJS
         ]

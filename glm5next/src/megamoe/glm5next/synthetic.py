@@ -11,7 +11,7 @@ import torch
 from megamoe.core.adapters import COMPOSITE_DECODER, MLP, MoELayer, SyntheticSizes
 from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
 from megamoe.core.hf_config import text_config
-from megamoe.core.quant_config import detect_expert_format
+from megamoe.core.quant_config import detect_mlp_format
 from megamoe.core.testing import synthetic_dense, synthetic_expert_tensors
 from megamoe.glm5next.config import (
     ARCHITECTURE,
@@ -137,7 +137,7 @@ def synthetic_tensors(
     for index in range(cfg.num_hidden_layers):
         if not cfg.is_moe_layer(index):
             prefix = f"{COMPOSITE_DECODER}.{index}.{MLP}"
-            fmt = detect_expert_format(cfg.quantization_config, prefix)
+            fmt = detect_mlp_format(cfg.quantization_config, prefix)
             yield from _mlp_tensors(fmt, prefix, hidden, dense_inter, _layer_seed(seed, prefix))
     for layer in layers:
         layer_seed = _layer_seed(seed, layer.prefix)
@@ -152,7 +152,7 @@ def synthetic_tensors(
         if cfg.n_shared_experts:
             shared = f"{layer.prefix}.shared_experts"
             yield from _mlp_tensors(
-                detect_expert_format(cfg.quantization_config, shared),
+                detect_mlp_format(cfg.quantization_config, shared),
                 shared,
                 hidden,
                 cfg.shared_intermediate_size,

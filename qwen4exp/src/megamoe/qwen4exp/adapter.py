@@ -10,7 +10,7 @@ import torch
 from megamoe.core.adapters import ModelAdapter, MoEBlock, MoELayer, SharedExpert
 from megamoe.core.formats import WeightFormat
 from megamoe.core.hf_config import MoEConfig
-from megamoe.core.quant_config import detect_expert_format
+from megamoe.core.quant_config import detect_mlp_format
 from megamoe.qwen4exp import reference, synthetic
 from megamoe.qwen4exp.block import SHARED_EXPERT, Qwen4ExpMegaMoeBlock
 from megamoe.qwen4exp.config import ARCHITECTURES, MODEL_TYPES, MTP_BLOCK_PREFIX, Qwen4ExpConfig
@@ -48,7 +48,7 @@ class Qwen4ExpAdapter(ModelAdapter):
         """``shared_expert``: one MLP of ``shared_expert_intermediate_size`` (gated apart)."""
         cfg = Qwen4ExpConfig.from_dict(config)
         prefix = f"{layer.prefix}.{SHARED_EXPERT}"
-        fmt = detect_expert_format(cfg.quantization_config, prefix)
+        fmt = detect_mlp_format(cfg.quantization_config, prefix)
         return SharedExpert(prefix, fmt, cfg.shared_expert_intermediate_size)
 
     synthetic_config = staticmethod(synthetic.synthetic_config)

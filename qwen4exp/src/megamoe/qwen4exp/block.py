@@ -14,7 +14,7 @@ from megamoe.core.errors import IncompleteShardsError, MissingExpertsError
 from megamoe.core.expert_names import WEIGHT, WEIGHT_PACKED
 from megamoe.core.kernels import TRITON_AVAILABLE, one_launch_router
 from megamoe.core.parallel import ParallelSettings
-from megamoe.core.quant_config import detect_expert_format
+from megamoe.core.quant_config import detect_mlp_format
 from megamoe.core.router_logits import router_logits
 from megamoe.core.shared_expert import AUX_IN_GRAPHS, AuxStream, SwiGLUMLP
 from megamoe.qwen4exp.config import MODEL_NAME, Qwen4ExpConfig
@@ -111,7 +111,7 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
         self.shared_expert = SwiGLUMLP(
             hidden,
             cfg.shared_expert_intermediate_size,
-            checkpoint_format=detect_expert_format(
+            checkpoint_format=detect_mlp_format(
                 cfg.quantization_config, f"{prefix}.{SHARED_EXPERT}"
             ),
             device=self.device,

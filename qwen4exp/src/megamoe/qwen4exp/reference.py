@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from megamoe.core import quant
 from megamoe.core.formats import WeightFormat
-from megamoe.core.quant_config import detect_expert_format
+from megamoe.core.quant_config import detect_expert_format, detect_mlp_format
 from megamoe.qwen4exp.config import Qwen4ExpConfig
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ def reference_forward(
         out.index_add_(0, rows, weight * _swiglu(x[rows], gate, up, down))
 
     shared = f"{prefix}.shared_expert"
-    shared_fmt = detect_expert_format(quant_config, shared)
+    shared_fmt = detect_mlp_format(quant_config, shared)
     gate, up, down = (_projection(reader, f"{shared}.{p}", shared_fmt) for p in _PROJS)
     shared_gate = reader.get_tensor(f"{prefix}.shared_expert_gate.weight").double()
     return out + _swiglu(x, gate, up, down) * torch.sigmoid(F.linear(x, shared_gate))

@@ -16,7 +16,7 @@ import torch
 from megamoe.core.adapters import COMPOSITE_DECODER, MLP, MoELayer, SyntheticSizes
 from megamoe.core.expert_names import WEIGHT, WEIGHT_PACKED
 from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
-from megamoe.core.quant_config import detect_expert_format
+from megamoe.core.quant_config import detect_mlp_format
 from megamoe.core.testing import synthetic_dense, synthetic_expert_tensors
 from megamoe.qwen4exp.config import (
     ARCHITECTURE,
@@ -132,7 +132,7 @@ def synthetic_tensors(
             f"{p}.shared_expert_gate.weight",
             synthetic_dense((1, hidden), SHARED_GATE_STD, layer_seed),
         )
-        shared_fmt = detect_expert_format(cfg.quantization_config, f"{p}.shared_expert")
+        shared_fmt = detect_mlp_format(cfg.quantization_config, f"{p}.shared_expert")
         shared = synthetic_expert_tensors(
             shared_fmt, 1, hidden, cfg.shared_expert_intermediate_size, seed=layer_seed + 3
         )
