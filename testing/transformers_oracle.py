@@ -410,7 +410,7 @@ def _gained_normal(shape: tuple[int, int], gain: float, gen: torch.Generator) ->
     rows, cols = shape
     blocks = _log_uniform((math.ceil(rows / BLOCK), math.ceil(cols / BLOCK)), gen)
     gains = blocks.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:rows, :cols]
-    return torch.randn(shape, generator=gen) * gains * (gain / math.sqrt(cols))
+    return torch.randn(shape, generator=gen) * gains * (gain / math.sqrt(max(cols, 1)))
 
 
 def _reinit_block(block: torch.nn.Module, prefix: str, seed: int) -> None:

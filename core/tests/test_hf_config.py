@@ -48,6 +48,7 @@ def test_bool_and_object_keys() -> None:
 
 def test_only_swiglu_is_accepted() -> None:
     assert swiglu_act({}) == swiglu_act({"hidden_act": "silu"}) == "silu"
+    assert swiglu_act({"hidden_act": "swish"}) == "silu"  # transformers: the same function
     with pytest.raises(NotImplementedError, match=r"hidden_act='gelu' is not supported; Mega"):
         swiglu_act({"hidden_act": "gelu"})
 

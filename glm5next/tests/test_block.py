@@ -296,6 +296,21 @@ def test_unexpected_tensor_name_is_named(
         block.load_weights([("gate.bias", torch.zeros(8))])
 
 
+def test_without_shared_experts_only_empty_shared_tensors_are_accepted(
+    glm_checkpoint: Checkpoint, parallel: ParallelSettings
+) -> None:
+    cfg = _config(glm_checkpoint)
+    text = cfg.get("text_config", cfg)
+    text["n_shared_experts"] = 0
+    block = Glm5NextMegaMoeBlock(cfg, prefix=PREFIX, parallel=parallel)
+    assert block.shared_experts is None
+    hidden = text["hidden_size"]
+    empty = ("shared_experts.down_proj.weight", torch.zeros(hidden, 0, dtype=torch.bfloat16))
+    assert block.load_weights([empty]) == {empty[0]}
+    with pytest.raises(ValueError, match=r"shared_experts.up_proj.weight \(2, 256\) holds data"):
+        block.load_weights([("shared_experts.up_proj.weight", torch.ones(2, hidden))])
+
+
 def test_router_shape_and_values_are_checked(
     glm_checkpoint: Checkpoint, parallel: ParallelSettings
 ) -> None:

@@ -61,6 +61,18 @@ def test_every_moe_layer_matches_transformers(tmp_path: Path, family: str, layou
     assert stored == {"fp8_block" if layout.startswith("fp8_block") else "bf16"}
 
 
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
+def test_a_checkpoint_without_shared_experts_matches_transformers(tmp_path: Path) -> None:
+    # transformers builds the shared MLP 0 wide for n_shared_experts=0 and saves its empty
+    # tensors; they load as nothing.
+    tiny = build_tiny_model("glm5_next", seed=11, swiglu_limit=CLAMP, n_shared_experts=0)
+    path = save_checkpoint(tiny, tmp_path / "ckpt", mtp_layers=1)
+    _, results = compare_checkpoint(path, tiny)
+    assert {r.prefix for r in results} == set(tiny.moe_blocks)
+    for r in results:
+        assert r.error <= TOLERANCE and r.routing_mismatches == 0, r
+
+
 def test_the_clamp_acts_on_a_stated_share_of_values() -> None:
     tiny = build_tiny_model("glm5_next", seed=11, swiglu_limit=CLAMP)
     for prefix in tiny.moe_blocks:

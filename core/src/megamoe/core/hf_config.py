@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol, Self
 
 SWIGLU_ACT = "silu"  # MegaMoE fuses SwiGLU: gate activation silu
+SWIGLU_ACTS = frozenset({SWIGLU_ACT, "swish"})  # transformers' names of that activation
 # Upper bounds of the sizes a config may give, checked when the key is read (before any
 # loop or allocation it sizes). Far above every released MoE model: the largest today have
 # hidden 7168 (DeepSeek-V3), expert width 2048, dense width 18432, 512 routed experts
@@ -235,11 +236,13 @@ def object_key(config: Mapping[str, Any], key: str) -> Mapping[str, Any] | None:
 def swiglu_act(config: Mapping[str, Any]) -> str:
     """``hidden_act`` (``silu`` when absent), refused unless it is the SwiGLU MegaMoE fuses.
 
+    ``swish`` is accepted as ``silu``: transformers maps both names to the same function.
+
     Raises:
         NotImplementedError: any other activation.
     """
     act = config.get("hidden_act", SWIGLU_ACT)
-    if act != SWIGLU_ACT:
+    if act not in SWIGLU_ACTS:
         raise NotImplementedError(
             f"config.json: hidden_act={act!r} is not supported; MegaMoE fuses SwiGLU, so the "
             f"experts must use hidden_act={SWIGLU_ACT!r}"

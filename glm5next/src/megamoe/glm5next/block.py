@@ -186,7 +186,9 @@ class Glm5NextMegaMoeBlock(MoEBlock):
 
         Names: ``gate.weight`` (E, H), ``gate.e_score_correction_bias`` (E,),
         ``shared_experts.{gate,up,down}_proj.{weight,<scale>}`` and
-        ``experts.{e}.{gate,up,down}_proj.{weight,<scale>}``. ``finalize()`` applies the
+        ``experts.{e}.{gate,up,down}_proj.{weight,<scale>}``. With ``n_shared_experts=0``
+        the shared-expert names are accepted only as the empty tensors transformers writes
+        for its zero-width shared MLP. ``finalize()`` applies the
         update (requantizing the new block-FP8 shards first). The first load writes the
         router and the unfused shared expert straight in; after a successful
         ``finalize()`` they are staged and ``finalize()`` commits them. Any error drops
@@ -212,6 +214,8 @@ class Glm5NextMegaMoeBlock(MoEBlock):
                     self.experts.load_shared_expert_weight(rest, tensor)
                 elif head == SHARED_EXPERTS and self.shared_experts is not None:
                     self.shared_experts.load_weights([(rest, tensor)])
+                elif head == SHARED_EXPERTS and not self.config.n_shared_experts:
+                    _check_empty_shared(self.prefix, name, tensor)  # nothing to load
                 elif name in (ROUTER, ROUTER_BIAS):
                     self._load_router(name, tensor)
                 else:
@@ -261,3 +265,20 @@ class Glm5NextMegaMoeBlock(MoEBlock):
         self._dense.commit()
         if self.shared_experts is not None:
             self.shared_experts.commit()
+
+
+def _check_empty_shared(prefix: str, name: str, tensor: torch.Tensor) -> None:
+    """Accept the empty shared-expert tensor of an ``n_shared_experts=0`` checkpoint.
+
+    transformers builds the shared MLP ``n_shared_experts * moe_intermediate_size`` wide
+    and saves it, so a model without shared experts stores tensors with no elements.
+
+    Raises:
+        ValueError: the tensor holds data, which a model without shared experts cannot use.
+    """
+    if tensor.numel():
+        raise ValueError(
+            f"{prefix}: {name} {tuple(tensor.shape)} holds data, but config.json has "
+            "n_shared_experts=0; set n_shared_experts to the checkpoint's count, or remove "
+            "the shared-expert tensors"
+        )
