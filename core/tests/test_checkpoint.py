@@ -238,7 +238,11 @@ def _corrupt_header(path: Path) -> None:
 
 
 def _wrong_dtype(path: Path) -> None:
-    _replace_tensor(path, f"{EXPERT}.weight", torch.zeros(256, 256, dtype=torch.float16))
+    _replace_tensor(path, f"{EXPERT}.weight", torch.zeros(256, 256, dtype=torch.int16))
+
+
+def _float32_experts(path: Path) -> None:
+    _replace_tensor(path, f"{EXPERT}.weight", torch.zeros(256, 256, dtype=torch.float32))
 
 
 def _wrong_shape(path: Path) -> None:
@@ -285,7 +289,13 @@ BAD = {
     "wrong dtype": (
         _wrong_dtype,
         CheckpointError,
-        r"down_proj.weight' has dtype torch.float16, expected torch.bfloat16 for bf16 experts",
+        r"down_proj.weight' has dtype torch.int16, expected torch.bfloat16 for bf16 experts",
+    ),
+    "float32 experts": (
+        _float32_experts,
+        CheckpointError,
+        r"down_proj.weight' has dtype torch.float32; megamoe reads unquantized expert weights "
+        r"in bfloat16 only .*: save the checkpoint in bfloat16 first",
     ),
     "wrong shape": (
         _wrong_shape,

@@ -72,6 +72,8 @@ __all__ = [
     "read_config",
 ]
 MAX_CONFIG_BYTES = 16 << 20  # a real config.json is a few KB
+# Unquantized dtypes other than BF16 that a checkpoint may store (float32 training output).
+WIDER_FLOATS = frozenset({torch.float16, torch.float32, torch.float64})
 _T = TypeVar("_T")
 
 
@@ -226,6 +228,13 @@ class CheckpointReader:
 
     def _mismatch(self, name: str, got: TensorSpec, want: TensorSpec, what: str) -> None:
         """Raise naming the file and tensor when ``got`` differs from ``want``."""
+        if want.dtype == torch.bfloat16 and got.dtype in WIDER_FLOATS:
+            raise CheckpointError(
+                f"{self.file_of(name)}: tensor {name!r} has dtype {got.dtype}; megamoe reads "
+                "unquantized expert weights in bfloat16 only (MegaMoE runs BF16 or quantized "
+                "experts): save the checkpoint in bfloat16 first (transformers: "
+                "from_pretrained(..., dtype=torch.bfloat16), then save_pretrained)"
+            )
         if got.dtype != want.dtype:
             found = f"has dtype {got.dtype}, expected {want.dtype}"
         elif not want.accepts(got):
