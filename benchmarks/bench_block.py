@@ -54,10 +54,6 @@ from megamoe.core.shared_expert import AuxStream
 from megamoe.glm5next import ADAPTER as GLM
 from megamoe.qwen4exp import ADAPTER as QWEN
 
-PREFIX = {
-    "qwen4exp": "model.language_model.layers.0.mlp",
-    "glm5next": "model.language_model.layers.1.mlp",
-}
 SHARED = {"qwen4exp": "shared_expert", "glm5next": "shared_experts"}
 COLUMNS = (
     ("adapter", "<9", "adapter"),

@@ -12,9 +12,9 @@ reference run alone (never from the run under test):
 - generation: also when, at every generated step, the top-2 logit gap of the reference
   run is at least a threshold.
 
-The thresholds are the largest differences the two runs show: ``routing_score_gap`` for
-the selection scores, the largest logit difference for the top-2 gap (where the runs have
-been measured, as constants in the tests). Logits are compared by relative Frobenius error
+The thresholds are the largest differences the two runs showed where they were measured
+(the selection scores' for the routing margin, the logits' for the top-2 gap), kept as
+constants in the tests. Logits are compared by relative Frobenius error
 per prompt, ``||a - b|| / ||b||``.
 """
 
@@ -107,30 +107,6 @@ def _chosen_experts(router: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         _, _, ids = router(x.to(torch.float64).reshape(1, -1, x.shape[-1]))
     return ids.reshape(x.shape[0], -1).sort(dim=-1).values
-
-
-def _selection_scores(router: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """What a router ranks experts by: float32 softmax (Qwen), sigmoid + bias (GLM)."""
-    logits = x.float() @ router.weight.detach().float().T
-    bias = getattr(router, "e_score_correction_bias", None)
-    return logits.softmax(dim=-1) if bias is None else logits.sigmoid() + bias.detach().float()
-
-
-def routing_score_gap(
-    tiny: TinyModel, reference: torch.nn.Module, other: torch.nn.Module, input_ids: torch.Tensor
-) -> float:
-    """The largest difference of any selection score between two runs of the same prompts.
-
-    A routing choice can flip only where its margin is below about this.
-    """
-    a, b = _block_inputs(tiny, reference, input_ids), _block_inputs(tiny, other, input_ids)
-    return max(
-        float(
-            (_selection_scores(block.gate, a[p]) - _selection_scores(block.gate, b[p])).abs().max()
-        )
-        for p, block in tiny.moe_blocks.items()
-        if p in a
-    )
 
 
 def logits_error(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:

@@ -193,7 +193,7 @@ def plan_experts(
         ValueError: physical experts that do not split evenly over the EP ranks, or a
             ``moe_format`` the target cannot run.
     """
-    parallel.check_megamoe(model_name, require_ep_group=True)
+    parallel.check_megamoe(model_name)
     num_logical = config.num_routed_experts
     num_physical = num_logical + parallel.num_redundant_experts
     if num_physical % parallel.ep_size:

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import enum
-import logging
 import warnings
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 ARCH_SM90 = "sm90"  # Hopper: the fp8_mega_moe kernel
 ARCH_SM100 = "sm100"  # Blackwell: fp8_fp4_mega_moe / bf16_mega_moe

@@ -34,7 +34,7 @@ class LayerPlan:
 
     @property
     def conversion(self) -> str:
-        """``"none"`` or ``"<stored> -> <run> (requantized while loading)"``."""
+        """``"none"`` or ``"<stored> -> <run> (requantized)"`` (while loading)."""
         if self.run_format is self.layer.checkpoint_format:
             return "none"
         return f"{self.layer.checkpoint_format.value} -> {self.run_format.value} (requantized)"

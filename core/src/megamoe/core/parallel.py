@@ -15,8 +15,8 @@ class ParallelSettings:
     """How an MoE block is spread over ranks.
 
     Attributes:
-        ep_group: the expert-parallel process group; None means one rank holding every
-            expert.
+        ep_group: the expert-parallel process group. The MoE blocks require one (a group of
+            size 1 for one device: ``single_rank_group``); ``None`` is refused there.
         tp_size: tensor-parallel size of the block (MegaMoE supports 1).
         placement: expert placement strategy; MegaMoE needs ``"linear"``.
         num_redundant_experts: extra physical experts (EPLB replicas) beyond the logical
@@ -38,19 +38,18 @@ class ParallelSettings:
         """This process's rank in the expert-parallel group."""
         return 0 if self.ep_group is None else dist.get_rank(self.ep_group)
 
-    def check_megamoe(self, model: str, *, require_ep_group: bool = False) -> None:
+    def check_megamoe(self, model: str) -> None:
         """Refuse settings MegaMoE cannot run, naming the setting to change.
 
         Args:
             model: model name for the message.
-            require_ep_group: also refuse ``ep_group=None``.
 
         Raises:
-            NotImplementedError: tensor parallel > 1, non-linear placement, or a missing
-                expert-parallel group when one is required.
+            NotImplementedError: no expert-parallel group, tensor parallel > 1 or non-linear
+                placement.
             ValueError: a negative number of redundant experts.
         """
-        if require_ep_group and self.ep_group is None:
+        if self.ep_group is None:
             raise NotImplementedError(
                 f"{model} MegaMoE runs expert parallel: pass ParallelSettings(ep_group=...) "
                 "with the expert-parallel process group (a group of size 1 for one GPU)"

@@ -83,9 +83,9 @@ class LayerCheck:
 def tolerance_for(checkpoint: WeightFormat, run: WeightFormat) -> float:
     """The accepted ``max_rel_error`` for experts stored as ``checkpoint`` run as ``run``.
 
-    ``TOLERANCE[run]`` for experts run as stored (and MXFP4 run as MXFP8, which is exact);
-    for requantized ones ``LOSSY_MXFP4_TOLERANCE`` (to MXFP4) or ``LOSSY_FP8_TOLERANCE``
-    (to MXFP8 or FP8_BLOCK).
+    ``TOLERANCE[run]`` for experts run as stored, MXFP4 run as MXFP8 (exact) and any run
+    as BF16 (dequantizing loses nothing); for requantized ones ``LOSSY_MXFP4_TOLERANCE``
+    (to MXFP4) or ``LOSSY_FP8_TOLERANCE`` (to MXFP8 or FP8_BLOCK).
     """
     exact = checkpoint is run or (checkpoint, run) == (WeightFormat.MXFP4, WeightFormat.MXFP8)
     if exact or run is WeightFormat.BF16:

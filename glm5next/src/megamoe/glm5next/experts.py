@@ -11,9 +11,10 @@ bits equal an offline conversion). A first load that fails forgets those shards:
 
 A reload (after a successful ``finalize()``) takes the ``MegaMoEExperts`` path: each shard is
 requantized as it completes (``requantize_shard``, the same bits) and staged in MXFP8
-until ``finalize()``, so a reload that fails midway leaves the previous weights serving.
-The cost: the changed shards' run-format bytes stay staged until ``finalize()`` (a full
-reload holds a second copy of the experts). Every other checkpoint/run pair (FP8_BLOCK run
+until ``finalize()``, up to ``reload_staging_bytes`` (``megamoe.core.expert_loading``); beyond
+that budget shards are written in place. A reload that fails midway leaves the previous
+weights serving when it stayed within the budget; otherwise the layer refuses to serve until
+the shards it wrote are loaded again. Every other checkpoint/run pair (FP8_BLOCK run
 on Hopper: stored as is; BF16 or MX checkpoints) takes the ``MegaMoEExperts`` path always.
 """
 
