@@ -247,8 +247,12 @@ BAD = {
         "not a readable safetensors file",
     ),
     "wrong dtype": (
+        lambda p: _rewrite(p, lambda t, n: t.__setitem__(n, t[n].view(torch.int16))),
+        "has dtype torch.int16, expected torch.bfloat16 for bf16 experts",
+    ),
+    "float16 experts": (
         lambda p: _rewrite(p, lambda t, n: t.__setitem__(n, t[n].to(torch.float16))),
-        "has dtype torch.float16, expected torch.bfloat16 for bf16 experts",
+        "has dtype torch.float16; megamoe reads unquantized expert weights in bfloat16 only",
     ),
     "wrong shape": (
         lambda p: _rewrite(p, lambda t, n: t.__setitem__(n, t[n][:, :64].contiguous())),

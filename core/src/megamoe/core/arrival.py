@@ -4,8 +4,10 @@ Each half of a shard (its weight or its scale) is copied to the module's device 
 its NaN/inf are counted there (``NonFiniteLedger``: read back once per load call, not once
 per tensor); then it waits in a ``ShardPairing`` for its partner. Waiting halves are kept
 on the device up to ``UNPAIRED_DEVICE_SHARE`` of the kernel tensors' bytes; beyond that
-the caller's tensor waits instead (copied again once paired), so peak device memory stays
-bounded whatever the order of the tensors.
+a copy waits where the caller's tensor was (host memory, for a checkpoint read on the CPU;
+copied again once paired), so peak device memory stays bounded whatever the order of the
+tensors. A waiting half never shares memory with the caller's tensor: the caller may refill
+its load buffers as soon as the call returns.
 """
 
 from __future__ import annotations
@@ -55,18 +57,24 @@ class DeviceArrival:
             block_scale: the half is a block-FP8 scale, which must also be > 0.
 
         Returns:
-            The complete shard (halves on the device, or the caller's where one waited
-            beyond the budget) when this half completed it, else None.
+            The complete shard (halves on the device, or where the caller's tensor was for
+            one that waited beyond the budget) when this half completed it, else None.
         """
-        held = tensor.to(self.device)
-        self.ledger.record(what, held, ue8m0=ue8m0)
+        moved = tensor.to(self.device)
+        self.ledger.record(what, moved, ue8m0=ue8m0)
         if block_scale:
-            self.ledger.record_block_scale(what, held)
-        parts = pairing.add(key, kind, held)
-        over_budget = pairing.held_bytes(held.device) > self.budget
-        if parts is None and held is not tensor and over_budget:
-            pairing.add(key, kind, tensor)
-        return parts
+            self.ledger.record_block_scale(what, moved)
+        copied = moved.device != tensor.device or moved.data_ptr() != tensor.data_ptr()
+
+        def keep(half: torch.Tensor) -> torch.Tensor:
+            """What waits: the device copy, or beyond the budget a copy where the caller's is."""
+            if not copied:
+                return half.clone()
+            if pairing.held_bytes(self.device) + half.nbytes > self.budget:
+                return tensor.clone()
+            return half
+
+        return pairing.add(key, kind, moved, keep)
 
     def kept(self, tensor: torch.Tensor, *, staged: bool) -> torch.Tensor:
         """A run-format tensor on the device; a copy of its own when ``staged``.

@@ -9,7 +9,7 @@ exactly once, as soon as the second half comes in.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -43,16 +43,27 @@ class ShardPairing:
         self._pending: dict[ShardKey, dict[str, torch.Tensor]] = {}
         self._held_bytes: dict[torch.device, int] = {}
 
-    def add(self, key: ShardKey, half: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    def add(
+        self,
+        key: ShardKey,
+        half: str,
+        tensor: torch.Tensor,
+        keep: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> dict[str, torch.Tensor] | None:
         """Record one half of shard ``key``.
 
         A half that arrives again before its partner replaces the earlier one (the newer
-        tensor of a weight update wins).
+        tensor of a weight update wins). A half that must wait is held as a tensor of the
+        pairing's own: the caller may reuse its memory once the call returns (a load buffer
+        refilled with the next tensor). The half that completes a shard is handed back as
+        given, for use before the caller's call returns.
 
         Args:
             key: ``(local expert id or None, shard id)``.
             half: one of ``self.halves``.
             tensor: the checkpoint tensor.
+            keep: makes the tensor held while the half waits; it must not share memory
+                with ``tensor``'s caller. None holds ``tensor.clone()``.
 
         Returns:
             The complete ``{half: tensor}`` mapping when this call completed the shard (it is
@@ -69,14 +80,15 @@ class ShardPairing:
             raise ValueError(f"{self.prefix}: shard id {key[1]!r} is not one of {SHARD_IDS}")
         parts = self._pending.setdefault(key, {})
         if half in parts:
-            self._count(parts[half], -1)
-        parts[half] = tensor
-        if len(parts) < len(self.halves):
-            self._count(tensor, 1)
+            self._count(parts.pop(half), -1)
+        if len(parts) + 1 < len(self.halves):
+            held = tensor.clone() if keep is None else keep(tensor)
+            parts[half] = held
+            self._count(held, 1)
             return None
         for held in parts.values():
-            if held is not tensor:
-                self._count(held, -1)
+            self._count(held, -1)
+        parts[half] = tensor
         del self._pending[key]
         return parts
 
