@@ -27,3 +27,30 @@ def assert_compiles_like_eager(block: MoEBlock, hidden_size: int, tokens: int = 
         again = compiled(x)
     assert relative_error(once, eager) <= COMPILED_TOLERANCE
     assert torch.equal(again, once)  # the compiled graph is reused and deterministic
+
+
+# More layers than dynamo's default recompile limit (8): a per-layer constant in the traced
+# forward would recompile each layer and fail at the ninth under fullgraph=True.
+SEPARATELY_COMPILED_LAYERS = 9
+
+
+def assert_layers_compiled_one_by_one_share_graphs(
+    blocks: list[MoEBlock], hidden_size: int, token_counts: tuple[int, ...] = (1, 7, 64)
+) -> None:
+    """Compile each block alone; every layer must reuse the first layer's graphs.
+
+    An engine may compile layer by layer. Dynamo compiles one graph for a single token and
+    one for dynamic token counts; each compiled layer must match its own eager forward (the
+    opaque experts op must run that layer's weights).
+    """
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled = [torch.compile(block, fullgraph=True) for block in blocks]
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for tokens in token_counts:
+            x = torch.randn(tokens, hidden_size, generator=gen).to(torch.bfloat16)
+            for block, fn in zip(blocks, compiled, strict=True):
+                assert relative_error(fn(x), block(x)) <= COMPILED_TOLERANCE
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])

@@ -119,7 +119,7 @@ class MegaMoEExperts(ExpertLoading, torch.nn.Module):
         self._init_loading(reload_staging_bytes)
         self._written: set[tuple[int, str]] = set()
         self._finalized = False
-        self._op_handle = experts_op.register(self)
+        experts_op.register(self, self.w13_weight)
 
     def _allocate(self) -> None:
         """Zeroed kernel tensors, each tagged with the kernel tag."""
@@ -268,7 +268,7 @@ class MegaMoEExperts(ExpertLoading, torch.nn.Module):
         self.layout.check_forward(hidden_states, topk_weights, topk_ids)
         if not torch.compiler.is_compiling():  # eager: no dispatcher round trip
             return self.run_backend(hidden_states, topk_weights, topk_ids)
-        return experts_op.experts(hidden_states, topk_weights, topk_ids, self._op_handle)
+        return experts_op.experts(hidden_states, topk_weights, topk_ids, self.w13_weight)
 
     def run_backend(
         self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
