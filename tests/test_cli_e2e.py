@@ -263,7 +263,7 @@ BAD = {
             p, model_type="mixtral", architectures=["MixtralForCausalLM"], text_config={}
         ),
         "no installed megamoe adapter handles model_type='mixtral' "
-        "(architectures=['MixtralForCausalLM']); installed: glm5next, qwen4exp",
+        "(architectures=['MixtralForCausalLM']); installed: glm5next (glm5_next, ",
     ),
     "unsupported quantization": (
         lambda p: _config(p, quantization_config={"quant_method": "gptq", "bits": 4}),

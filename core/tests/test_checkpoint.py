@@ -305,7 +305,7 @@ BAD = {
     "unknown model type": (
         _unknown_model,
         LookupError,
-        r"model_type='llama'.*installed: toymoe; for other models: pip install "
+        r"model_type='llama'.*installed: toymoe \(toy_moe\); for other models: pip install "
         r"megamoe-qwen4exp megamoe-glm5next",
     ),
     "unsupported quantization": (

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -108,7 +110,7 @@ def test_unknown_model_names_installed_adapters_and_pip(
     (checkpoint / "config.json").write_text(json.dumps(config))
     assert cli.main(["inspect", str(checkpoint)]) == 1
     err = capsys.readouterr().err
-    assert "model_type='mixtral'" in err and "installed: toymoe" in err
+    assert "model_type='mixtral'" in err and "installed: toymoe (toy_moe)" in err
     assert "pip install megamoe-qwen4exp megamoe-glm5next" in err
 
 
@@ -184,13 +186,16 @@ def test_bench_runs_only_the_scripts_shipped_with_megamoe(
         (["verify", "CKPT", "--device", "tpu"], "'tpu' is not one of cpu, cuda, cuda:N"),
         (["verify", "CKPT", "--tolerance", "-1"], "'-1' is not a number > 0"),
         (["verify", "CKPT", "--layers", "foo"], "--layers foo: no MoE layer foo"),
+        (["verify", "CKPT", "--layers", ","], "--layers ',' selects no layer; name some of"),
+        (["sample", "OUT", "--num-layers", "2000"], "--num-layers: '2000' is not an integer"),
         (["inspect", "CKPT", "--ep-size", "3"], "--ep-size 3 does not divide the 4 routed"),
     ],
 )
 def test_usage_mistakes_exit_2(
     checkpoint: Path, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = [str(checkpoint) if a == "CKPT" else a for a in argv]
+    where = {"CKPT": str(checkpoint), "OUT": str(checkpoint.parent / "out")}
+    argv = [where.get(a, a) for a in argv]
     try:
         code = cli.main(argv)
     except SystemExit as exit_info:  # argparse's own refusal
@@ -450,3 +455,33 @@ def test_sample_usage_mistakes_exit_2(
     assert code == cli.EXIT_USAGE
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_sigterm_while_writing_a_sample_leaves_nothing_behind(
+    toy_adapter,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from megamoe.core import sample
+
+    def terminated_midway(staging: Path, *args: object) -> None:
+        (staging / "model-00001-of-00002.safetensors").write_bytes(b"half written")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(sample, "write_synthetic_checkpoint", terminated_midway)
+    assert cli.main(["sample", str(tmp_path / "out")]) == cli.EXIT_TERMINATED
+    assert "megamoe sample: terminated" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # neither OUT nor its hidden staging directory
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is put back
+
+
+def test_a_closed_output_pipe_ends_quietly(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader went away (``megamoe inspect CKPT | head -0``)
+    with open(write_end, "w") as closed:
+        monkeypatch.setattr(sys, "stdout", closed)
+        assert cli.main(["inspect", str(checkpoint)]) == cli.EXIT_PIPE_CLOSED
+    assert capsys.readouterr().err == ""

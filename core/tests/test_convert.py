@@ -193,6 +193,9 @@ def test_convert_refuses_existing_output_and_bad_source(tmp_path: Path, toy_adap
     with pytest.raises(FileExistsError, match="already exists; remove it"):
         convert_checkpoint(src, out, "mxfp8", progress=False)
     out.rmdir()
+    with pytest.raises(ValueError, match=r"the output lies inside the checkpoint .*outside it"):
+        convert_checkpoint(src, src / "sub", "mxfp8", progress=False)
+    assert not (src / "sub").exists() and not list(src.glob("sub.partial-*"))
     with pytest.raises(ValueError, match="--to nvfp4: convert writes one of mxfp8, mxfp4"):
         convert_checkpoint(src, out, "nvfp4", progress=False)
     with pytest.raises(

@@ -544,9 +544,9 @@ def test_never_loaded_experts_are_named():
         m.finalize()
     text = str(info.value)
     assert "3 kernel slot(s) never received their tensors" in text
-    assert "expert slot 2 (physical 6, logical 2): w1+w3+w2" in text
-    assert "expert slot 3 (physical 7, logical 3): w2" in text
-    assert "shared expert 0: w1+w3+w2" in text
+    assert "expert slot 2 (physical 6, logical 2): gate_proj+up_proj+down_proj" in text
+    assert "expert slot 3 (physical 7, logical 3): down_proj" in text
+    assert "shared expert 0: gate_proj+up_proj+down_proj" in text
     with pytest.raises(RuntimeError, match=r"forward\(\) before finalize\(\)"):
         m(*routing(2, 8))
 

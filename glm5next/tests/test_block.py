@@ -311,6 +311,21 @@ def test_without_shared_experts_only_empty_shared_tensors_are_accepted(
         block.load_weights([("shared_experts.up_proj.weight", torch.ones(2, hidden))])
 
 
+def test_a_cast_of_the_model_leaves_the_block_as_it_is(
+    glm_checkpoint: Checkpoint, parallel: ParallelSettings
+) -> None:
+    # Engines cast whole models; the float32 router, the bf16 shared expert and the FP8
+    # experts keep their dtypes, and the block computes the same.
+    block = _loaded(glm_checkpoint(FP8), parallel)
+    x = torch.randn(5, block.config.hidden_size).to(torch.bfloat16)
+    before = block(x)
+    dtypes = {name: t.dtype for name, t in block.state_dict().items()}
+    block.to(torch.bfloat16).half()
+    assert {name: t.dtype for name, t in block.state_dict().items()} == dtypes
+    assert block.gate.weight.dtype == torch.float32
+    assert torch.equal(block(x), before)
+
+
 def test_router_shape_and_values_are_checked(
     glm_checkpoint: Checkpoint, parallel: ParallelSettings
 ) -> None:

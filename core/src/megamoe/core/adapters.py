@@ -19,6 +19,7 @@ import torch
 from megamoe.core.block_setup import EXPERTS
 from megamoe.core.errors import NoAdapterError
 from megamoe.core.expert_names import TensorSpec, expert_tensor_spec, parse_expert_name
+from megamoe.core.fixed_module import FixedModule
 from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
 from megamoe.core.hf_config import MoEConfig, is_composite, quantization_config
 from megamoe.core.parallel import ParallelSettings
@@ -97,22 +98,31 @@ class SyntheticSizes:
     shared_intermediate_size: int = 256
 
 
-class MoEBlock(torch.nn.Module):
+class MoEBlock(FixedModule):
     """What ``ModelAdapter.build_block`` returns: one MoE layer on megamoe.
 
     Its constructor takes ``(config, *, prefix, parallel, **options)`` with the options of
     ``megamoe.core.block_setup.BlockOptions``. Subclasses load their tensors in
     ``load_weights`` and commit them in ``finalize``; ``load_from_checkpoint`` drives both.
 
+    Its tensors keep their dtypes and device through ``.to()`` and the like, and it refuses
+    ``load_state_dict()``, copies and pickling (``megamoe.core.fixed_module``).
+
     Attributes:
         experts: the routed experts module.
         prefix: the block's tensor prefix.
         is_mtp: the block belongs to the MTP drafter.
+        device: where its tensors live.
     """
 
     experts: MegaMoEExperts
     prefix: str
     is_mtp: bool
+
+    @property
+    def fixed_label(self) -> str:
+        """The block's prefix, for ``FixedModule``'s refusals."""
+        return self.prefix
 
     @abc.abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -257,7 +267,9 @@ class ModelAdapter(abc.ABC):
         if len(held) < len(declared):
             logger.warning(
                 "%s checkpoint declares %d MTP layer(s) but holds the experts of %d "
-                "(e.g. no tensors under %s.*): loading the layers it holds",
+                "(e.g. no tensors under %s.*; transformers' save_pretrained writes none, and "
+                "a config without the count declares the release's): loading the layers it "
+                "holds, without those MTP drafter layers",
                 self.name,
                 len(declared),
                 len(held),
@@ -435,17 +447,21 @@ def adapter_for(config: Mapping[str, Any], source: str = "config.json") -> Model
 
     Raises:
         NoAdapterError: none does (a ``CheckpointError`` and a ``LookupError``); the
-            message lists the installed adapters and the pip command for the others.
+            message lists the installed adapters with the model types each takes, and the
+            pip command for the others.
     """
     adapters = installed_adapters()
     for adapter in adapters.values():
         if adapter.claims(config):
             return adapter
+    installed = ", ".join(
+        f"{name} ({', '.join(adapter.model_types)})" for name, adapter in adapters.items()
+    )
     others = [d for n, d in KNOWN_DISTRIBUTIONS.items() if n not in adapters]
     hint = f"; for other models: pip install {' '.join(others)}" if others else ""
     raise NoAdapterError(
         f"{source}: no installed megamoe adapter handles "
         f"model_type={config.get('model_type')!r} "
         f"(architectures={config.get('architectures')!r}); installed: "
-        f"{', '.join(adapters) or 'none'}{hint}"
+        f"{installed or 'none'}{hint}"
     )

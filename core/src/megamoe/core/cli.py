@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
+import signal
 import sys
+import threading
 import warnings
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, entry_points, version
@@ -24,6 +27,8 @@ EXIT_OK = 0
 EXIT_FAIL = 1  # an error, or a forward beyond tolerance
 EXIT_USAGE = 2  # an option the command cannot use (argparse's code too)
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143  # SIGTERM, after the command removed what it had half written
+EXIT_PIPE_CLOSED = 141  # SIGPIPE's code: whoever read the output stopped reading
 # The values of megamoe.core.formats' WeightFormat and ARCHES, spelled out so that parsing
 # needs no torch (core/tests/test_cli.py checks that each exists there). FORMATS are the run
 # formats; CHECKPOINT_FORMATS add NVFP4, which checkpoints store and nothing runs as.
@@ -51,6 +56,19 @@ def _positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return value
+
+
+SAMPLE_MAX_LAYERS = 64
+
+
+def _sample_layers(text: str) -> int:
+    """Argparse type: a sample's MoE layer count, 1 to ``SAMPLE_MAX_LAYERS``."""
+    value = _positive_int(text)
+    if value > SAMPLE_MAX_LAYERS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an integer from 1 to {SAMPLE_MAX_LAYERS} (a sample is small)"
+        )
     return value
 
 
@@ -184,7 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="expert format (default: the adapter's first, its release's)",
     )
     sample.add_argument(
-        "--num-layers", type=_positive_int, default=2, help="MoE layers besides MTP (default 2)"
+        "--num-layers",
+        type=_sample_layers,
+        default=2,
+        help=f"MoE layers besides MTP (default 2, at most {SAMPLE_MAX_LAYERS})",
     )
     sample.add_argument(
         "--num-experts", type=_positive_int, default=8, help="routed experts (default 8)"
@@ -212,7 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--ep-size", type=_positive_int, default=1, help="expert-parallel ranks (default 1)"
     )
     inspect.add_argument("--arch", choices=ARCHES, help="target (default: this machine)")
-    inspect.add_argument("--moe-format", choices=FORMATS, help="force a run format")
+    inspect.add_argument(
+        "--moe-format",
+        choices=FORMATS,
+        help="force a run format (MTP drafter layers keep the default)",
+    )
 
     convert = _command(
         sub,
@@ -242,7 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the checkpoint CHECKPOINT was converted from: compare with its reference",
     )
     verify.add_argument("--layers", help="comma-separated layer indices and/or 'mtp' (default all)")
-    verify.add_argument("--moe-format", choices=FORMATS, help="force a run format")
+    verify.add_argument(
+        "--moe-format",
+        choices=FORMATS,
+        help="force a run format (MTP drafter layers keep the default)",
+    )
     verify.add_argument("--backend", default="auto", choices=BACKENDS)
     verify.add_argument("--device", type=_device_name, help=DEVICE_HELP)
     verify.add_argument(
@@ -332,7 +361,17 @@ def _error(command: str, message: str) -> None:
     print(f"megamoe {command}: error: {text}", file=sys.stderr, flush=True)
 
 
+class _Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that half-written output is removed."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
 def _run(args: argparse.Namespace) -> int:
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         from megamoe.core import commands
 
@@ -342,11 +381,21 @@ def _run(args: argparse.Namespace) -> int:
             raise
         print(f"megamoe {args.command}: interrupted", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
+    except _Terminated:
+        print(f"megamoe {args.command}: terminated", file=sys.stderr, flush=True)
+        return EXIT_TERMINATED
+    except BrokenPipeError:
+        # The reader of stdout went away (``| head``): say nothing more, on a closed pipe.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE_CLOSED
     except Exception as err:
         if args.debug:
             raise
         _error(args.command, str(err) or type(err).__name__)
         return EXIT_USAGE if isinstance(err, UsageError) else EXIT_FAIL
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

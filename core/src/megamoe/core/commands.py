@@ -25,6 +25,8 @@ from megamoe.core.demo import format_table
 from megamoe.core.errors import UsageError
 from megamoe.core.inspection import human_bytes
 
+SAMPLE_MAX_BYTES = 4 << 30  # megamoe sample writes small checkpoints
+
 
 def _out(text: str = "", stream: TextIO | None = None) -> None:
     print(text, file=stream or sys.stdout, flush=True)
@@ -111,6 +113,18 @@ def run_sample(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--num-experts {sizes.num_experts}: fewer than the {sizes.top_k} experts each "
             f"token is routed to; use --num-experts {sizes.top_k} or more"
+        )
+    # Expert weights in bf16 at most, one MTP layer and a shared expert included.
+    estimate = (
+        (sizes.num_layers + 1) * (sizes.num_experts + 1) * 3
+        * sizes.hidden_size * sizes.intermediate_size * 2
+    )  # fmt: skip
+    if estimate > SAMPLE_MAX_BYTES:
+        raise UsageError(
+            f"--num-layers {sizes.num_layers} --num-experts {sizes.num_experts} --hidden-size "
+            f"{sizes.hidden_size} --intermediate-size {sizes.intermediate_size}: about "
+            f"{human_bytes(estimate)} of expert weights, above the {human_bytes(SAMPLE_MAX_BYTES)} "
+            "a sample may take; choose smaller sizes (a sample is for trying the commands)"
         )
     sample = write_sample(args.out, args.adapter, args.format, sizes, args.seed)
     mtp = sum(layer.is_mtp for layer in sample.layers)
@@ -199,14 +213,19 @@ def select_layers(layers: Sequence[MoELayer], spec: str | None) -> list[MoELayer
     """The layers ``--layers`` selects (all for None or ``all``).
 
     Raises:
-        UsageError: a label that names no MoE layer; the message lists the layers.
+        UsageError: a label that names no MoE layer, or none at all; the message lists the
+            layers.
     """
     if spec is None or spec == "all":
         return list(layers)
     wanted = {part.strip() for part in spec.split(",") if part.strip()}
-    unknown = wanted - {_layer_label(layer) for layer in layers}
+    known = dict.fromkeys(_layer_label(layer) for layer in layers)
+    if not wanted:
+        raise UsageError(
+            f"--layers {spec!r} selects no layer; name some of {', '.join(known)}, or 'all'"
+        )
+    unknown = wanted - known.keys()
     if unknown:
-        known = dict.fromkeys(_layer_label(layer) for layer in layers)
         raise UsageError(
             f"--layers {spec}: no MoE layer {', '.join(sorted(unknown))}; the checkpoint's "
             f"MoE layers are {', '.join(known)}"

@@ -43,6 +43,7 @@ from megamoe.core.convert_output import (
     remove_stale_partials,
     write_new,
 )
+from megamoe.core.errors import UsageError
 from megamoe.core.expert_names import (
     CT_GLOBAL_SCALE,
     EXPERT_PROJS,
@@ -170,6 +171,7 @@ def convert_checkpoint(
         FileNotFoundError: the parent directory of ``out`` does not exist.
         OSError: reading or writing failed (no space, permissions, ...); the message names
             the file.
+        UsageError: ``out`` lies inside ``src`` (a ``ValueError``).
         ValueError: ``to`` is not a conversion target, or a shard file name is not a plain
             file name.
         CheckpointError: the source is incomplete or inconsistent (checked from the headers
@@ -189,6 +191,12 @@ def convert_checkpoint(
         raise FileNotFoundError(
             f"{out.parent}: the output's parent directory does not exist; create it "
             f"(mkdir -p {out.parent}) or choose another output path"
+        )
+    source = Path(src).resolve()
+    if out.parent.resolve().is_relative_to(source):
+        raise UsageError(
+            f"{out}: the output lies inside the checkpoint {src}, which it would then contain; "
+            "choose an output path outside it"
         )
     remove_stale_partials(out)
     start = time.perf_counter()

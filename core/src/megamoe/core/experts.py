@@ -18,13 +18,14 @@ from megamoe.core.errors import MissingExpertsError, format_keys
 from megamoe.core.expert_layout import ExpertLayout
 from megamoe.core.expert_loading import ExpertLoading
 from megamoe.core.expert_names import projection_specs
+from megamoe.core.fixed_module import FixedModule
 from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat, check_run_format
-from megamoe.core.pairing import SHARD_IDS
+from megamoe.core.pairing import SHARD_IDS, SHARD_TO_PROJ
 from megamoe.core.swiglu import check_swiglu_limit
 from megamoe.core.tagging import KernelTag, check_tags, tag
 
 
-class MegaMoEExperts(ExpertLoading, torch.nn.Module):
+class MegaMoEExperts(ExpertLoading, FixedModule):
     """Routed experts (plus optional fused shared experts) of one MoE layer on one rank.
 
     Parameters (``requires_grad=False``, on ``device``), ``E = num_local_experts``,
@@ -63,6 +64,9 @@ class MegaMoEExperts(ExpertLoading, torch.nn.Module):
             ``megamoe.core.swiglu``) in routed and fused shared experts; None for none.
         reload_staging_bytes: the most a reload stages before it writes in place (see
             ``megamoe.core.expert_loading``); None: 1/16 of the kernel tensors' bytes.
+
+    Its kernel tensors keep their format and device through ``.to()`` and the like, and it
+    refuses ``load_state_dict()``, copies and pickling (``megamoe.core.fixed_module``).
 
     Raises:
         ValueError: a size or placement that cannot run (before anything is allocated).
@@ -119,7 +123,7 @@ class MegaMoEExperts(ExpertLoading, torch.nn.Module):
         self._init_loading(reload_staging_bytes)
         self._written: set[tuple[int, str]] = set()
         self._finalized = False
-        experts_op.register(self, self.w13_weight)
+        experts_op.register(self, self.kernel_params["w13_weight"])
 
     def _allocate(self) -> None:
         """Zeroed kernel tensors, each tagged with the kernel tag."""
@@ -138,6 +142,11 @@ class MegaMoEExperts(ExpertLoading, torch.nn.Module):
                     param = torch.nn.Parameter(data, requires_grad=False)
                     tag(param, self.kernel_tag)
                     self.register_parameter(name, param)
+
+    @property
+    def fixed_label(self) -> str:
+        """The layer, for ``FixedModule``'s refusals."""
+        return self.layout.label
 
     @property
     def kernel_params(self) -> dict[str, torch.nn.Parameter]:
@@ -205,7 +214,8 @@ class MegaMoEExperts(ExpertLoading, torch.nn.Module):
         self._unrepaired -= changed_shards
         if self._unrepaired:
             listed = format_keys(
-                f"{self.layout.slot_label(s)}: {sh}" for s, sh in sorted(self._unrepaired)
+                f"{self.layout.slot_label(s)}: {SHARD_TO_PROJ[sh]}"
+                for s, sh in sorted(self._unrepaired)
             )
             raise MissingExpertsError(
                 f"{self.layout.label}: a reload that failed had written "
@@ -221,7 +231,8 @@ class MegaMoEExperts(ExpertLoading, torch.nn.Module):
                     missing.setdefault(slot, []).append(shard_id)
         if missing:
             listed = format_keys(
-                f"{self.layout.slot_label(s)}: {'+'.join(v)}" for s, v in missing.items()
+                f"{self.layout.slot_label(s)}: {'+'.join(SHARD_TO_PROJ[sh] for sh in v)}"
+                for s, v in missing.items()
             )
             raise MissingExpertsError(
                 f"{self.layout.label}: {len(missing)} kernel slot(s) never received their "
