@@ -241,6 +241,24 @@ def _wrong_dtype(path: Path) -> None:
     _replace_tensor(path, f"{EXPERT}.weight", torch.zeros(256, 256, dtype=torch.int16))
 
 
+ROUTER = "model.layers.1.mlp.gate.weight"
+
+
+def _router_missing(path: Path) -> None:
+    _replace_tensor(path, ROUTER, None)
+    index = json.loads((path / INDEX_FILE).read_text())
+    del index["weight_map"][ROUTER]
+    (path / INDEX_FILE).write_text(json.dumps(index))
+
+
+def _router_shape(path: Path) -> None:
+    _replace_tensor(path, ROUTER, torch.zeros(2, 256, dtype=torch.bfloat16))
+
+
+def _router_quantized(path: Path) -> None:
+    _replace_tensor(path, ROUTER, torch.zeros(4, 256, dtype=torch.float8_e4m3fn))
+
+
 def _float32_experts(path: Path) -> None:
     _replace_tensor(path, f"{EXPERT}.weight", torch.zeros(256, 256, dtype=torch.float32))
 
@@ -290,6 +308,22 @@ BAD = {
         _wrong_dtype,
         CheckpointError,
         r"down_proj.weight' has dtype torch.int16, expected torch.bfloat16 for bf16 experts",
+    ),
+    "router missing": (
+        _router_missing,
+        CheckpointError,
+        rf"index.json: tensor '{ROUTER}' is missing; the MoE layer model.layers.1.mlp that "
+        r"config.json declares loads it \(shape \(4, 256\)\)",
+    ),
+    "router shape": (
+        _router_shape,
+        CheckpointError,
+        rf"safetensors: tensor '{ROUTER}' has shape \(2, 256\), expected \(4, 256\) per config",
+    ),
+    "router quantized": (
+        _router_quantized,
+        CheckpointError,
+        rf"'{ROUTER}' has dtype torch.float8_e4m3fn; megamoe loads it unquantized",
     ),
     "float32 experts": (
         _float32_experts,

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from megamoe.core import convert as convert_module
 from megamoe.core import quant
@@ -133,7 +134,16 @@ def _pow2_checkpoint(path: Path, adapter, pow2: bool | None) -> None:
             "fp8_block", 4, 256, 128, seed=i, pow2_block_scales=pow2
         )
     ]
+    tensors += _routers(SIZES.num_layers, 4, 256)
     write_checkpoint(path, config, tensors, max_shard_bytes=SHARD)
+
+
+def _routers(layers: int, experts: int, hidden: int) -> list[tuple[str, torch.Tensor]]:
+    """Each MoE layer's router weight, which every checkpoint holds beside its experts."""
+    return [
+        (f"model.layers.{i}.mlp.gate.weight", torch.zeros(experts, hidden, dtype=torch.bfloat16))
+        for i in range(layers)
+    ]
 
 
 def test_block_fp8_to_mx_warns_only_for_non_power_of_two_scales(
@@ -184,6 +194,19 @@ def test_killed_convert_leaves_only_a_partial_directory(tmp_path: Path, toy_adap
     with pytest.raises(RuntimeError, match="stop"):
         convert_checkpoint(src, out, "mxfp8", progress=False)
     assert seen == [[f"out.partial-{os.getpid()}", "src"]]
+
+
+def test_a_nan_router_is_refused_before_anything_is_written(tmp_path: Path, toy_adapter) -> None:
+    src, out = tmp_path / "src", tmp_path / "out"
+    write_synthetic_checkpoint(src, "toymoe", "bf16", SIZES)
+    name = "model.layers.0.mlp.gate.weight"
+    shard = src / json.loads((src / INDEX_FILE).read_text())["weight_map"][name]
+    tensors = load_file(shard)
+    tensors[name][0, 3] = float("nan")
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' holds NaN or infinity"):
+        convert_checkpoint(src, out, "mxfp8", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
 def test_convert_refuses_existing_output_and_bad_source(tmp_path: Path, toy_adapter) -> None:
@@ -249,7 +272,7 @@ def test_convert_streams_with_memory_near_one_projection(tmp_path: Path, toy_ada
         )
     )
     src = tmp_path / "src"
-    write_checkpoint(src, config, tensors, max_shard_bytes=40 << 20)
+    write_checkpoint(src, config, [*tensors, *_routers(2, 64, 512)], max_shard_bytes=40 << 20)
     checkpoint_bytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
     layer_bytes = 64 * 3 * 512 * 256 * 2
     assert checkpoint_bytes > 1.99 * layer_bytes

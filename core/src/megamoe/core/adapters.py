@@ -385,6 +385,18 @@ class ModelAdapter(abc.ABC):
         """
         return None
 
+    def dense_tensors(
+        self, config: Mapping[str, Any], layer: MoELayer
+    ) -> dict[str, tuple[int, ...]]:
+        """The unquantized tensors ``layer``'s block loads besides the experts, with shapes.
+
+        Full names (the router weight, a selection bias, a gate), each loaded as bf16, fp16
+        or fp32; the checkpoint reader checks they are there with these shapes, from the
+        headers. The default: the router ``gate.weight`` (E, H).
+        """
+        experts, hidden, _ = self.expert_dims(config)
+        return {f"{layer.prefix}.gate.weight": (experts, hidden)}
+
     def expert_dims(self, config: Mapping[str, Any]) -> tuple[int, int, int]:
         """``(routed experts E, hidden size H, expert intermediate size I)`` of ``config``.
 

@@ -254,7 +254,8 @@ class CheckpointReader:
         prefix is an expert tensor of the layer's format (``{e}.{proj}.{kind}``, or fused
         BF16) with ``e`` below the config's expert count and the dtype and shape the config
         implies, and every expert has every projection. The shared expert
-        (``adapter.shared_expert``), when the model has one, likewise.
+        (``adapter.shared_expert``), when the model has one, likewise; and the router's
+        tensors (``adapter.dense_tensors``) are there with their shapes.
 
         Raises:
             CheckpointError: an unknown or mismatching tensor, or missing ones; the message
@@ -295,6 +296,29 @@ class CheckpointReader:
         shared = adapter.shared_expert(self.config, layer)
         if shared is not None:
             self._check_shared(shared, hidden)
+        for name, shape in adapter.dense_tensors(self.config, layer).items():
+            self._check_dense(layer, name, shape)
+
+    def _check_dense(self, layer: MoELayer, name: str, shape: tuple[int, ...]) -> None:
+        """A router, bias or gate tensor: present, unquantized floats, of ``shape``."""
+        if name not in self.weight_map:
+            raise CheckpointError(
+                f"{self.files.index or self.path}: tensor {name!r} is missing; the MoE layer "
+                f"{layer.prefix} that {CONFIG_FILE} declares loads it (shape {shape}): the "
+                "checkpoint is incomplete or not this model's"
+            )
+        got = self.tensor_spec(name)
+        if not got.dtype.is_floating_point or got.dtype.itemsize < 2:
+            raise CheckpointError(
+                f"{self.file_of(name)}: tensor {name!r} has dtype {got.dtype}; megamoe loads it "
+                "unquantized (bf16, fp16 or fp32): store it so"
+            )
+        if got.shape != shape:
+            raise CheckpointError(
+                f"{self.file_of(name)}: tensor {name!r} has shape {got.shape}, expected "
+                f"{shape} per {CONFIG_FILE}; the weights do not match the config: fix "
+                "config.json or use the checkpoint it belongs to"
+            )
 
     def _check_shared(self, shared: SharedExpert, hidden: int) -> None:
         """The shared expert's tensors: names, dtypes, shapes, and all of them present."""

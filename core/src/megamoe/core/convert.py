@@ -43,7 +43,7 @@ from megamoe.core.convert_output import (
     remove_stale_partials,
     write_new,
 )
-from megamoe.core.errors import UsageError
+from megamoe.core.errors import CheckpointError, UsageError
 from megamoe.core.expert_names import (
     CT_GLOBAL_SCALE,
     EXPERT_PROJS,
@@ -59,7 +59,7 @@ from megamoe.core.expert_names import (
     projection_specs,
     weight_kinds,
 )
-from megamoe.core.finiteness import check_block_scales
+from megamoe.core.finiteness import check_block_scales, count_nonfinite
 from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
 from megamoe.core.hf_config import quantization_config
 from megamoe.core.quant_config import unmark_converted
@@ -175,7 +175,8 @@ def convert_checkpoint(
         ValueError: ``to`` is not a conversion target, or a shard file name is not a plain
             file name.
         CheckpointError: the source is incomplete or inconsistent (checked from the headers
-            of every expert tensor before anything is written).
+            of every expert tensor before anything is written), or a router, bias or gate
+            tensor of an MoE layer holds NaN or infinity.
         LookupError: no installed adapter handles the model.
         NotImplementedError: the adapter cannot convert, or a layer's quantization method
             is not supported.
@@ -202,6 +203,7 @@ def convert_checkpoint(
     start = time.perf_counter()
     reader, adapter = open_checkpoint(src)
     plan = _plan(reader, dst)
+    _check_dense_finite(reader)
     config = adapter.converted_config(reader.config, dst, reader.layers)
     if plan.stored_apart:  # left as stored: not converted
         config["quantization_config"] = unmark_converted(
@@ -232,6 +234,25 @@ def convert_checkpoint(
     return ConvertResult(
         out, dst, source_bytes, written, converted, len(plan.copies), time.perf_counter() - start
     )
+
+
+def _check_dense_finite(reader: CheckpointReader) -> None:
+    """The MoE layers' router, bias and gate tensors, copied as they are, hold no NaN or inf.
+
+    Loading refuses them; convert reads them (small beside the experts) so that it refuses
+    the checkpoint before writing anything, as it does for expert tensors.
+
+    Raises:
+        CheckpointError: names the tensor and its file.
+    """
+    assert reader.adapter is not None  # open_checkpoint found it
+    for layer in reader.layers:
+        for name in reader.adapter.dense_tensors(reader.config, layer):
+            if count_nonfinite(reader.get_tensor(name)):
+                raise CheckpointError(
+                    f"{reader.file_of(name)}: tensor {name!r} holds NaN or infinity; fix the "
+                    "checkpoint"
+                )
 
 
 def _block_size(config: Mapping[str, Any]) -> tuple[int, int]:

@@ -12,7 +12,7 @@ from megamoe.core.formats import WeightFormat
 from megamoe.core.hf_config import MoEConfig
 from megamoe.core.quant_config import detect_mlp_format
 from megamoe.glm5next import reference, synthetic
-from megamoe.glm5next.block import SHARED_EXPERTS, Glm5NextMegaMoeBlock
+from megamoe.glm5next.block import ROUTER_BIAS, SHARED_EXPERTS, Glm5NextMegaMoeBlock
 from megamoe.glm5next.config import ARCHITECTURES, MODEL_TYPES, Glm5NextConfig
 
 
@@ -65,6 +65,16 @@ class Glm5NextAdapter(ModelAdapter):
         prefix = f"{layer.prefix}.{SHARED_EXPERTS}"
         fmt = detect_mlp_format(cfg.quantization_config, prefix)
         return SharedExpert(prefix, fmt, cfg.shared_intermediate_size)
+
+    def dense_tensors(
+        self, config: Mapping[str, Any], layer: MoELayer
+    ) -> dict[str, tuple[int, ...]]:
+        """The router ``gate.weight`` (E, H) and its ``e_score_correction_bias`` (E,)."""
+        experts, _, _ = self.expert_dims(config)
+        return {
+            **super().dense_tensors(config, layer),
+            f"{layer.prefix}.{ROUTER_BIAS}": (experts,),
+        }
 
 
 ADAPTER = Glm5NextAdapter()

@@ -12,7 +12,7 @@ from megamoe.core.formats import WeightFormat
 from megamoe.core.hf_config import MoEConfig
 from megamoe.core.quant_config import detect_mlp_format
 from megamoe.qwen4exp import reference, synthetic
-from megamoe.qwen4exp.block import SHARED_EXPERT, Qwen4ExpMegaMoeBlock
+from megamoe.qwen4exp.block import SHARED_EXPERT, SHARED_GATE, Qwen4ExpMegaMoeBlock
 from megamoe.qwen4exp.config import ARCHITECTURES, MODEL_TYPES, MTP_BLOCK_PREFIX, Qwen4ExpConfig
 
 
@@ -50,6 +50,16 @@ class Qwen4ExpAdapter(ModelAdapter):
         prefix = f"{layer.prefix}.{SHARED_EXPERT}"
         fmt = detect_mlp_format(cfg.quantization_config, prefix)
         return SharedExpert(prefix, fmt, cfg.shared_expert_intermediate_size)
+
+    def dense_tensors(
+        self, config: Mapping[str, Any], layer: MoELayer
+    ) -> dict[str, tuple[int, ...]]:
+        """The router ``gate.weight`` (E, H) and the ``shared_expert_gate`` (1, H)."""
+        _, hidden, _ = self.expert_dims(config)
+        return {
+            **super().dense_tensors(config, layer),
+            f"{layer.prefix}.{SHARED_GATE}": (1, hidden),
+        }
 
     synthetic_config = staticmethod(synthetic.synthetic_config)
 
