@@ -418,3 +418,18 @@ def test_headers_are_read_without_tensor_data(tmp_path: Path, toy_adapter) -> No
     reader, _ = open_checkpoint(tmp_path)
     reader.check_layer(reader.layers[1])  # no error: nothing was read
     assert not reader.get_tensor(f"{EXPERT}.weight").any()
+
+
+def test_a_stray_single_file_beside_an_index_is_named(
+    tmp_path: Path, toy_adapter, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = write_synthetic_checkpoint(tmp_path / "ckpt", "toymoe", "bf16", SIZES)
+    save_file({"x": torch.zeros(2)}, path / "model.safetensors")
+    with caplog.at_level("WARNING", logger="megamoe"):
+        CheckpointReader(path, toy_adapter)
+    said = [r.getMessage() for r in caplog.records]
+    assert any(
+        "both model.safetensors.index.json and model.safetensors are present; megamoe reads "
+        "the shards the index names" in m
+        for m in said
+    ), said

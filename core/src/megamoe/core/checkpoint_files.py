@@ -21,6 +21,7 @@ Every check runs when ``CheckpointFiles`` is built, before any tensor data is re
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,8 @@ from safetensors import safe_open
 from megamoe.core.errors import CheckpointError, format_keys
 from megamoe.core.expert_names import TensorSpec
 from megamoe.core.shardfile import TensorEntry, read_header
+
+logger = logging.getLogger("megamoe")
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -98,6 +101,12 @@ class CheckpointFiles:
         self._entries: dict[str, dict[str, TensorEntry]] = {}
         if self.index is not None:
             self.weight_map = self._read_index(self.index)
+            if (path / SINGLE_FILE).is_file() and SINGLE_FILE not in self.weight_map.values():
+                logger.warning(
+                    "%s: both %s and %s are present; megamoe reads the shards the index names "
+                    "(transformers reads %s): remove the stale one",
+                    path, INDEX_FILE, SINGLE_FILE, SINGLE_FILE,
+                )  # fmt: skip
         elif (path / SINGLE_FILE).is_file():
             self.weight_map = dict.fromkeys(self.entries(SINGLE_FILE), SINGLE_FILE)
         else:
