@@ -175,7 +175,7 @@ def resolve_kernel(
         cuda = "" if torch.cuda.is_available() else " (CUDA is not available)"
         raise CapabilityError(
             f"{dev} is not a CUDA device of a MegaMoE architecture (SM90 Hopper or SM100 "
-            f"Blackwell){cuda}; use backend='reference' there"
+            f"Blackwell){cuda}"
         )
     kind = KERNEL_KINDS.get((arch, fmt))
     if kind is None:
