@@ -348,6 +348,10 @@ def test_forward_input_checks(glm_checkpoint: Checkpoint, parallel: ParallelSett
         block(torch.zeros(2, 256))
     with pytest.raises(ValueError, match=r"hidden_states has shape \(2, 128\), expected"):
         block(torch.zeros(2, 128, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"\(1, 2, 256\), .* with \.reshape\(-1, 256\)"):
+        block(torch.zeros(1, 2, 256, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"hidden_states is on meta, the block on cpu; move"):
+        block(torch.zeros(2, 256, dtype=torch.bfloat16, device="meta"))
 
 
 def test_shared_expert_stored_differently_runs_separately(

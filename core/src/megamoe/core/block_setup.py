@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 import torch
 import torch.distributed as dist
 
+from megamoe.core.fixed_module import same_device
 from megamoe.core.formats import ARCH_REFERENCE, WeightFormat, detect_arch, resolve_formats
 from megamoe.core.hf_config import MoEConfig
 from megamoe.core.parallel import ParallelSettings
@@ -241,22 +242,35 @@ def plan_experts(
     )
 
 
-def check_hidden_states(prefix: str, hidden_states: torch.Tensor, hidden_size: int) -> None:
-    """Refuse a block input that is not ``(tokens, hidden_size)`` bfloat16.
+def check_hidden_states(
+    prefix: str, hidden_states: torch.Tensor, hidden_size: int, device: torch.device
+) -> None:
+    """Refuse a block input that is not ``(tokens, hidden_size)`` bfloat16 on ``device``.
 
     Args:
         prefix: the block's tensor prefix, for the message.
         hidden_states: the input.
         hidden_size: the model width.
+        device: the block's device.
 
     Raises:
-        ValueError: a shape other than ``(tokens, hidden_size)``.
+        ValueError: a shape other than ``(tokens, hidden_size)``, or another device.
         TypeError: a dtype other than bfloat16.
     """
     if hidden_states.dim() != 2 or hidden_states.shape[1] != hidden_size:
+        flat = (
+            f"; flatten (batch, sequence, hidden) inputs with .reshape(-1, {hidden_size})"
+            if hidden_states.dim() > 2 and hidden_states.shape[-1] == hidden_size
+            else ""
+        )
         raise ValueError(
             f"{prefix}: hidden_states has shape {tuple(hidden_states.shape)}, expected "
-            f"(tokens, {hidden_size}): one row of hidden_size={hidden_size} per token"
+            f"(tokens, {hidden_size}): one row of hidden_size={hidden_size} per token{flat}"
+        )
+    if not same_device(hidden_states.device, device):
+        raise ValueError(
+            f"{prefix}: hidden_states is on {hidden_states.device}, the block on {device}; "
+            f"move the activations with .to({str(device)!r})"
         )
     if hidden_states.dtype != torch.bfloat16:
         raise TypeError(

@@ -22,6 +22,11 @@ from typing import Any, NoReturn, Self, SupportsIndex
 import torch
 
 
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether ``a`` and ``b`` are one device; ``cuda`` without an index is any CUDA device."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
 class FixedModule(torch.nn.Module):
     """A ``torch.nn.Module`` whose tensors keep their dtypes and device (module docstring).
 
@@ -43,7 +48,7 @@ class FixedModule(torch.nn.Module):
         """
         del recurse
         probe = fn(torch.empty(0, device=self.device))  # where fn sends a tensor of ours
-        if probe.device != self.device:
+        if not same_device(probe.device, self.device):
             raise ValueError(
                 f"{self.fixed_label}: cannot move it from {self.device} to {probe.device}: its "
                 "kernel tensors and backend buffers live there; build it with "

@@ -169,7 +169,7 @@ class Glm5NextMegaMoeBlock(MoEBlock):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Routed plus (fused or separate) shared-expert output; see ``MoEBlock.forward``."""
-        check_hidden_states(self.prefix, hidden_states, self.config.hidden_size)
+        check_hidden_states(self.prefix, hidden_states, self.config.hidden_size, self.device)
         shared_mlp = self.shared_experts
         if shared_mlp is None:
             return self.experts(hidden_states, *self.gate(hidden_states))

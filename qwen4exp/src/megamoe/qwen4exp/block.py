@@ -193,7 +193,7 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Routed plus gated shared-expert output (see ``MoEBlock.forward`` and ``combine``)."""
-        check_hidden_states(self.prefix, hidden_states, self.config.hidden_size)
+        check_hidden_states(self.prefix, hidden_states, self.config.hidden_size, self.device)
         routed, (shared,) = self.aux_stream.schedule(
             lambda: (self.shared_expert(hidden_states),),
             lambda: self.route(hidden_states),
