@@ -1,4 +1,5 @@
-"""Offline equals online: every adapter x format, synthetic -> convert -> load, byte for byte."""
+"""Offline equals online: every adapter x format, synthetic -> convert -> load, byte for byte
+(every tensor a block computes with: kernel tensors, router, a separate shared expert)."""
 
 from __future__ import annotations
 
@@ -45,8 +46,9 @@ def _kernel_tensors(
         )
         block.load_from_checkpoint(reader)
         assert block.experts.weight_format is run_format
-        for name, param in block.experts.kernel_params.items():
-            found[f"{layer.prefix}.{name}"] = param.detach().clone()
+        # Everything the block computes with: kernel tensors, router, separate shared expert.
+        for name, tensor in block.state_dict().items():
+            found[f"{layer.prefix}.{name}"] = tensor.detach().clone()
     return found
 
 

@@ -62,6 +62,7 @@ class ToyAdapter(ModelAdapter):
     model_types = ("toy_moe",)
     architectures = ("ToyMoeForCausalLM",)
     checkpoint_formats = tuple(WeightFormat)
+    fusing_run_formats = frozenset(WeightFormat)
     config_class = ToyConfig
 
     def build_block(self, *args: Any, **kwargs: Any) -> MoEBlock:

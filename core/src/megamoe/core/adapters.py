@@ -193,6 +193,9 @@ class ModelAdapter(abc.ABC):
     checkpoint_formats: ClassVar[tuple[WeightFormat, ...]]  # formats it loads
     config_class: ClassVar[type[MoEConfig]]  # the parsed config.json (parse_config)
     block_class: ClassVar[type[MoEBlock]]  # what build_block constructs
+    # Run formats whose kernel can take the shared expert as one more expert: convert
+    # converts the shared expert (expert_prefixes beyond the first) only to these.
+    fusing_run_formats: ClassVar[frozenset[WeightFormat]] = frozenset()
 
     def claims(self, config: Mapping[str, Any]) -> bool:
         """Whether this adapter handles a checkpoint with this ``config.json``.
@@ -372,8 +375,11 @@ class ModelAdapter(abc.ABC):
 
         The first holds the routed experts (``{e}.{proj}.*`` or fused). Further prefixes,
         e.g. a shared expert the kernel runs as one more expert (``{proj}.*``, no index),
-        are converted to the same format when the checkpoint has them; ``converted_config``
-        must then mark them converted too.
+        are converted to the same format when the checkpoint has them, stored as the routed
+        experts are, and the target is one of ``fusing_run_formats`` (elsewhere the shared
+        expert runs as a separate MLP from its checkpoint tensors, so converting it would
+        only lose precision); ``converted_config`` marks them converted, and convert
+        unmarks those it leaves as stored.
         """
         return (f"{layer.prefix}.experts",)
 

@@ -284,9 +284,12 @@ def _plan(reader: CheckpointReader, dst: WeightFormat) -> _Plan:
             if (
                 shared is not None
                 and shared.prefix == prefix
-                and shared.checkpoint_format is not layer.checkpoint_format
+                and (
+                    shared.checkpoint_format is not layer.checkpoint_format
+                    or dst not in adapter.fusing_run_formats
+                )
             ):
-                plan.stored_apart.append(prefix)
+                plan.stored_apart.append(prefix)  # runs as a separate MLP: left as stored
                 continue
             group = _group(reader, layer, prefix, dst, source)
             if not group:

@@ -12,7 +12,12 @@ from megamoe.core.formats import WeightFormat
 from megamoe.core.hf_config import MoEConfig
 from megamoe.core.quant_config import detect_mlp_format
 from megamoe.glm5next import reference, synthetic
-from megamoe.glm5next.block import ROUTER_BIAS, SHARED_EXPERTS, Glm5NextMegaMoeBlock
+from megamoe.glm5next.block import (
+    FUSABLE_RUN_FORMATS,
+    ROUTER_BIAS,
+    SHARED_EXPERTS,
+    Glm5NextMegaMoeBlock,
+)
 from megamoe.glm5next.config import ARCHITECTURES, MODEL_TYPES, Glm5NextConfig
 
 
@@ -31,6 +36,7 @@ class Glm5NextAdapter(ModelAdapter):
     architectures: ClassVar[tuple[str, ...]] = ARCHITECTURES
     config_class: ClassVar[type[MoEConfig]] = Glm5NextConfig
     block_class: ClassVar[type[MoEBlock]] = Glm5NextMegaMoeBlock
+    fusing_run_formats: ClassVar[frozenset[WeightFormat]] = FUSABLE_RUN_FORMATS
     checkpoint_formats: ClassVar[tuple[WeightFormat, ...]] = (
         WeightFormat.FP8_BLOCK,
         WeightFormat.BF16,
