@@ -8,10 +8,14 @@ ulps apart).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from megamoe.core.adapters import MoEBlock
+from megamoe.core.adapters import ModelAdapter, MoEBlock
 from megamoe.core.bitcheck import relative_error
+from megamoe.core.parallel import ParallelSettings
+from megamoe.core.testing import synthetic_layer_tensors
 
 COMPILED_TOLERANCE = 1e-2
 
@@ -29,20 +33,43 @@ def assert_compiles_like_eager(block: MoEBlock, hidden_size: int, tokens: int = 
     assert torch.equal(again, once)  # the compiled graph is reused and deterministic
 
 
+def reference_block(
+    adapter: ModelAdapter,
+    config: dict[str, Any],
+    prefix: str,
+    parallel: ParallelSettings,
+    seed: int,
+) -> MoEBlock:
+    """The adapter's block at ``prefix`` on the reference backend, loaded with seeded tensors."""
+    block = adapter.block_class(config, prefix=prefix, parallel=parallel, backend="reference")
+    block.load_weights(synthetic_layer_tensors(adapter, config, prefix, seed=seed).items())
+    block.finalize()
+    return block
+
+
 # More layers than dynamo's default recompile limit (8): a per-layer constant in the traced
 # forward would recompile each layer and fail at the ninth under fullgraph=True.
 SEPARATELY_COMPILED_LAYERS = 9
 
 
 def assert_layers_compiled_one_by_one_share_graphs(
-    blocks: list[MoEBlock], hidden_size: int, token_counts: tuple[int, ...] = (1, 7, 64)
+    adapter: ModelAdapter,
+    config: dict[str, Any],
+    prefix: str,
+    parallel: ParallelSettings,
+    token_counts: tuple[int, ...] = (1, 7, 64),
 ) -> None:
-    """Compile each block alone; every layer must reuse the first layer's graphs.
+    """Compile each of ``SEPARATELY_COMPILED_LAYERS`` blocks alone; all reuse the first's graphs.
 
     An engine may compile layer by layer. Dynamo compiles one graph for a single token and
     one for dynamic token counts; each compiled layer must match its own eager forward (the
     opaque experts op must run that layer's weights).
     """
+    blocks = [
+        reference_block(adapter, config, prefix, parallel, seed)
+        for seed in range(SEPARATELY_COMPILED_LAYERS)
+    ]
+    hidden_size = blocks[0].experts.hidden_size
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 from compile_check import (
-    SEPARATELY_COMPILED_LAYERS,
     assert_compiles_like_eager,
     assert_layers_compiled_one_by_one_share_graphs,
 )
@@ -38,10 +37,4 @@ def test_the_compiled_block_is_one_graph_and_matches_eager(parallel: ParallelSet
 @pytest.mark.filterwarnings("ignore:.*torch.jit:DeprecationWarning")
 def test_layers_compiled_one_by_one_share_their_graphs(parallel: ParallelSettings) -> None:
     config = ADAPTER.synthetic_config(WeightFormat.FP8_BLOCK, SIZES)
-    blocks = []
-    for seed in range(SEPARATELY_COMPILED_LAYERS):
-        block = Qwen4ExpMegaMoeBlock(config, prefix=PREFIX, parallel=parallel, backend="reference")
-        block.load_weights(synthetic_layer_tensors(ADAPTER, config, PREFIX, seed=seed).items())
-        block.finalize()
-        blocks.append(block)
-    assert_layers_compiled_one_by_one_share_graphs(blocks, SIZES.hidden_size)
+    assert_layers_compiled_one_by_one_share_graphs(ADAPTER, config, PREFIX, parallel)
