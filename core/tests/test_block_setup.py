@@ -130,14 +130,19 @@ def test_build_experts_constructs_the_planned_experts() -> None:
 # -- input checks and dense tensors ----------------------------------------------------------
 
 
-def test_hidden_states_must_be_tokens_by_hidden_in_bf16() -> None:
-    check_hidden_states(MAIN, torch.zeros(3, 128, dtype=torch.bfloat16), 128)
-    check_hidden_states(MAIN, torch.zeros(0, 128, dtype=torch.bfloat16), 128)
+def test_hidden_states_must_be_tokens_by_hidden_in_bf16_on_the_block_device() -> None:
+    cpu = torch.device("cpu")
+    check_hidden_states(MAIN, torch.zeros(3, 128, dtype=torch.bfloat16), 128, cpu)
+    check_hidden_states(MAIN, torch.zeros(0, 128, dtype=torch.bfloat16), 128, cpu)
     for shape in ((3, 64), (3, 128, 1), (128,)):
         with pytest.raises(ValueError, match=rf"{MAIN}: hidden_states has shape .*, expected "):
-            check_hidden_states(MAIN, torch.zeros(shape, dtype=torch.bfloat16), 128)
+            check_hidden_states(MAIN, torch.zeros(shape, dtype=torch.bfloat16), 128, cpu)
     with pytest.raises(TypeError, match=r"dtype torch\.float16, expected torch\.bfloat16"):
-        check_hidden_states(MAIN, torch.zeros(3, 128, dtype=torch.float16), 128)
+        check_hidden_states(MAIN, torch.zeros(3, 128, dtype=torch.float16), 128, cpu)
+    with pytest.raises(ValueError, match=r"hidden_states is on cpu, the block on meta"):
+        check_hidden_states(
+            MAIN, torch.zeros(3, 128, dtype=torch.bfloat16), 128, torch.device("meta")
+        )
 
 
 # -- MoEBlock: rank filter and checkpoint loading --------------------------------------------

@@ -281,18 +281,18 @@ def _plan(reader: CheckpointReader, dst: WeightFormat) -> _Plan:
         projections: list[_Projection] = []
         shared = adapter.shared_expert(reader.config, layer)
         for prefix in adapter.expert_prefixes(layer):
-            if (
+            apart = (
                 shared is not None
                 and shared.prefix == prefix
                 and (
                     shared.checkpoint_format is not layer.checkpoint_format
                     or dst not in adapter.fusing_run_formats
                 )
-            ):
+            )
+            if apart:
                 plan.stored_apart.append(prefix)  # runs as a separate MLP: left as stored
-                continue
-            group = _group(reader, layer, prefix, dst, source)
-            if not group:
+            group = [] if apart else _group(reader, layer, prefix, dst, source)
+            if not group:  # copied unchanged: its block scales are still checked
                 plan.checked_scales |= {
                     f"{prefix}.{rel}"
                     for rel in reader.names_under(prefix)
