@@ -36,19 +36,11 @@ def add_shape_args(parser: argparse.ArgumentParser, experts: int, top_k: bool = 
 
 
 def cuda_median_ms(fn: Callable[[], object], warmup: int, reps: int) -> float:
-    """Median milliseconds of ``fn`` over ``reps`` runs, each bracketed by CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median milliseconds of ``fn`` over ``reps`` runs, each bracketed by CUDA events.
+
+    Each call is synced on, so its time includes the host work before its first kernel.
+    """
+    return cuda_back_to_back_ms(fn, warmup, 1, batches=reps)
 
 
 def cuda_back_to_back_ms(

@@ -43,6 +43,7 @@ from megamoe.core.checkpoint_files import (
     SINGLE_FILE,
     CheckpointFiles,
 )
+from megamoe.core.dense_update import UNQUANTIZED_DTYPES, loads_unquantized
 from megamoe.core.errors import CheckpointError, UnsupportedCheckpointError, format_keys
 from megamoe.core.expert_layout import check_kernel_dims
 from megamoe.core.expert_names import (
@@ -72,8 +73,8 @@ __all__ = [
     "read_config",
 ]
 MAX_CONFIG_BYTES = 16 << 20  # a real config.json is a few KB
-# Unquantized dtypes other than BF16 that a checkpoint may store (float32 training output).
-WIDER_FLOATS = frozenset({torch.float16, torch.float32, torch.float64})
+# Unquantized float dtypes other than BF16 that a checkpoint may store (training output).
+OTHER_FLOATS = frozenset({torch.float16, torch.float32, torch.float64})
 _T = TypeVar("_T")
 
 
@@ -228,7 +229,7 @@ class CheckpointReader:
 
     def _mismatch(self, name: str, got: TensorSpec, want: TensorSpec, what: str) -> None:
         """Raise naming the file and tensor when ``got`` differs from ``want``."""
-        if want.dtype == torch.bfloat16 and got.dtype in WIDER_FLOATS:
+        if want.dtype == torch.bfloat16 and got.dtype in OTHER_FLOATS:
             raise CheckpointError(
                 f"{self.file_of(name)}: tensor {name!r} has dtype {got.dtype}; megamoe reads "
                 "unquantized expert weights in bfloat16 only (MegaMoE runs BF16 or quantized "
@@ -308,10 +309,10 @@ class CheckpointReader:
                 "checkpoint is incomplete or not this model's"
             )
         got = self.tensor_spec(name)
-        if not got.dtype.is_floating_point or got.dtype.itemsize < 2:
+        if not loads_unquantized(got.dtype):
             raise CheckpointError(
                 f"{self.file_of(name)}: tensor {name!r} has dtype {got.dtype}; megamoe loads it "
-                "unquantized (bf16, fp16 or fp32): store it so"
+                f"unquantized ({UNQUANTIZED_DTYPES}): store it so"
             )
         if got.shape != shape:
             raise CheckpointError(

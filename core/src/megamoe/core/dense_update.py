@@ -22,6 +22,13 @@ from typing import Protocol
 
 import torch
 
+UNQUANTIZED_DTYPES = "bf16/fp16/fp32"  # what loads_unquantized accepts, for messages
+
+
+def loads_unquantized(dtype: torch.dtype) -> bool:
+    """Whether a router, bias or gate stored as ``dtype`` loads (a float of 16 bits or more)."""
+    return dtype.is_floating_point and dtype.itemsize >= 2
+
 
 class PendingUpdateHolder(Protocol):
     """Anything that keeps a weight update aside and can drop it (experts, ``DenseUpdate``)."""
@@ -80,11 +87,11 @@ class DenseUpdate:
             ValueError: a shape other than ``param``'s, a dtype narrower than 16-bit float,
                 or NaN or infinity.
         """
-        if tensor.is_floating_point() and tensor.element_size() >= 2:
+        if loads_unquantized(tensor.dtype):
             self.write(name, param, tensor, shape_note=shape_note)
             return
         raise ValueError(
-            f"{self.label}.{name} has dtype {tensor.dtype}, expected bf16/fp16/fp32: megamoe "
+            f"{self.label}.{name} has dtype {tensor.dtype}, expected {UNQUANTIZED_DTYPES}: megamoe "
             "loads it unquantized; store it unquantized in the checkpoint"
         )
 
