@@ -62,10 +62,20 @@ def test_every_moe_layer_matches_transformers(tmp_path: Path, family: str, layou
 
 
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
-def test_a_checkpoint_without_shared_experts_matches_transformers(tmp_path: Path) -> None:
-    # transformers builds the shared MLP 0 wide for n_shared_experts=0 and saves its empty
-    # tensors; they load as nothing.
-    tiny = build_tiny_model("glm5_next", seed=11, swiglu_limit=CLAMP, n_shared_experts=0)
+@pytest.mark.parametrize(
+    "setting",
+    [
+        # transformers builds the shared MLP 0 wide and saves its empty tensors: they load as
+        # nothing
+        {"n_shared_experts": 0},
+        {"hidden_act": "swish"},  # transformers' other name of silu
+    ],
+    ids=["no shared experts", "swish"],
+)
+def test_a_config_transformers_accepts_matches_transformers(
+    tmp_path: Path, setting: dict[str, object]
+) -> None:
+    tiny = build_tiny_model("glm5_next", seed=11, swiglu_limit=CLAMP, **setting)
     path = save_checkpoint(tiny, tmp_path / "ckpt", mtp_layers=1)
     _, results = compare_checkpoint(path, tiny)
     assert {r.prefix for r in results} == set(tiny.moe_blocks)
