@@ -11,8 +11,11 @@ ways (CUDA-event medians after warm-up):
 
 each eager, replayed from a CUDA graph (the GPU time of the eager kernels, no launch
 overhead) and compiled (``torch.compile(fullgraph=True, dynamic=True)``: inductor fuses the
-casts and the SwiGLU), with the fp8 / bf16 ratios and the weights' resident MiB. Weights
-are random block-FP8 made on the GPU.
+casts and the SwiGLU), with the fp8 / bf16 ratios and the weights' resident MiB. Beside
+them ``torch act``: the bf16 MLP with its SwiGLU as torch operations (clamp, silu,
+multiply) instead of the one Triton launch it takes on CUDA
+(``megamoe.core.kernels.swiglu_triton``), eager and graphed, and the bf16 / torch act
+ratios. Weights are random block-FP8 made on the GPU.
 
     python benchmarks/bench_shared_expert.py                      # H=4096, 1..4096 tokens
     python benchmarks/bench_shared_expert.py --tokens 1,128 --json shared.json
@@ -46,6 +49,10 @@ COLUMNS = (
     ("bf16 compiled", ">13.1f", "bf16_compiled_us"),
     ("fp8 compiled", ">12.1f", "fp8_compiled_us"),
     ("fp8/bf16 compiled", ">17.2f", "compiled_ratio"),
+    ("torch act eager", ">15.1f", "torch_act_eager_us"),
+    ("torch act graphed", ">17.1f", "torch_act_graphed_us"),
+    ("bf16/torch act", ">14.2f", "act_eager_ratio"),
+    ("bf16/torch act graphed", ">22.2f", "act_graphed_ratio"),
     ("bf16 MiB", ">8.1f", "bf16_mib"),
     ("fp8 MiB", ">7.1f", "fp8_mib"),
 )
@@ -87,13 +94,15 @@ def build(
 
 
 def measure(
-    mlp: SwiGLUMLP, compiled: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+    mlp: SwiGLUMLP, compiled: Callable[[torch.Tensor], torch.Tensor] | None, x: torch.Tensor,
     args: argparse.Namespace,
-) -> tuple[float, float, float]:  # fmt: skip
-    """Microseconds of ``mlp(x)`` eager, replayed from a CUDA graph, and compiled."""
+) -> tuple[float, float, float | None]:  # fmt: skip
+    """Microseconds of ``mlp(x)`` eager, replayed from a CUDA graph, and compiled (if given)."""
     with torch.no_grad():
         eager = cuda_median_ms(lambda: mlp(x), args.warmup, args.iters)
         replay = cuda_median_ms(cuda_graph_replay(lambda: mlp(x)), args.warmup, args.iters)
+        if compiled is None:
+            return 1e3 * eager, 1e3 * replay, None
         fused = cuda_median_ms(lambda: compiled(x), args.warmup, args.iters)
         return 1e3 * eager, 1e3 * replay, 1e3 * fused
 
@@ -105,6 +114,8 @@ def rows(
     weights = list(tensors(args.hidden, inter))
     mlps = {gemm: build(weights, args.hidden, inter, limit, gemm) for gemm in ("bf16", "deep_gemm")}
     mib = {g: distinct_storage_bytes(m.parameters()) / 2**20 for g, m in mlps.items()}
+    torch_act = build(weights, args.hidden, inter, limit, "bf16")
+    torch_act._swiglu_rows = None  # the baseline: the torch expression the kernel replaces
     # One graph per path for every token count (inductor fuses the casts and the SwiGLU).
     compiled = {g: torch.compile(m, fullgraph=True, dynamic=True) for g, m in mlps.items()}
 
@@ -118,6 +129,11 @@ def rows(
         row["eager_ratio"] = row["fp8_eager_us"] / row["bf16_eager_us"]
         row["graphed_ratio"] = row["fp8_graphed_us"] / row["bf16_graphed_us"]
         row["compiled_ratio"] = row["fp8_compiled_us"] / row["bf16_compiled_us"]
+        row["torch_act_eager_us"], row["torch_act_graphed_us"], _ = measure(
+            torch_act, None, x, args
+        )
+        row["act_eager_ratio"] = row["bf16_eager_us"] / row["torch_act_eager_us"]
+        row["act_graphed_ratio"] = row["bf16_graphed_us"] / row["torch_act_graphed_us"]
         row["bf16_mib"], row["fp8_mib"] = mib["bf16"], mib["deep_gemm"]
         print(f"{model} I={inter} {count} tokens: done", flush=True)
         yield row

@@ -30,6 +30,7 @@ from megamoe.core.fp8_gemm import (
     fp8_gemm_nt,
     resolve_shared_gemm,
 )
+from megamoe.core.kernels import TRITON_AVAILABLE
 from megamoe.core.pairing import PROJ_TO_SHARD, ShardPairing
 from megamoe.core.swiglu import check_swiglu_limit, gate_up_bounds, swiglu_gate_up
 
@@ -47,6 +48,8 @@ class SwiGLUMLP(torch.nn.Module):
 
     - ``bf16``: bf16 parameters ``gate_up_proj`` (2I, H: gate rows, then up rows; one GEMM)
       and ``down_proj`` (H, I); a quantized checkpoint is dequantized to bf16 when loaded.
+      On CUDA with Triton the SwiGLU between them is one launch
+      (``megamoe.core.kernels.swiglu_triton``, the torch expression's bits).
     - ``deep_gemm`` (block-FP8 checkpoints on SM90): the checkpoint's E4M3 values and float32
       128x128 block scales as they are, gate and up stacked into one GEMM (``gate_up_fp8``
       (2I, H), ``gate_up_scale`` (2I/128, H/128); ``down_fp8`` (H, I), ``down_scale``); the
@@ -136,12 +139,26 @@ class SwiGLUMLP(torch.nn.Module):
             gate_up_bounds(self.swiglu_limit, i, activation_dtype, device),
             persistent=False,
         )
+        # On CUDA with Triton the bf16 path's SwiGLU is one launch (same bits as torch's).
+        self._swiglu_rows: Callable[[torch.Tensor, float | None], torch.Tensor] | None = None
+        if TRITON_AVAILABLE and device is not None and torch.device(device).type == "cuda":
+            from megamoe.core.kernels.swiglu_triton import bf16_limit, swiglu_rows
+
+            self._swiglu_rows = swiglu_rows
+        self._bf16_limit = (
+            None if self._swiglu_rows is None or self.swiglu_limit is None
+            else bf16_limit(self.swiglu_limit)
+        )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the MLP to ``x`` (..., H) in bf16 (no host sync)."""
         x = x.to(torch.bfloat16)
         if self.gemm is SharedGemm.BF16:
-            hidden = swiglu_gate_up(F.linear(x, self.gate_up_proj), self.swiglu_bounds)
+            gate_up = F.linear(x, self.gate_up_proj)
+            if self._swiglu_rows is not None and gate_up.is_cuda:
+                hidden = self._swiglu_rows(gate_up, self._bf16_limit)
+            else:
+                hidden = swiglu_gate_up(gate_up, self.swiglu_bounds)
             return F.linear(hidden, self.down_proj)
         rows = x.reshape(-1, self.hidden_size)
         gate_up = fp8_gemm_nt(*float_to_fp8_1x128(rows), self.gate_up_fp8, self.gate_up_scale)
