@@ -13,7 +13,9 @@ launch time included, as an engine's eager prefill sees it):
   logits and the selection, from 256 cuBLAS's logits and the selection's launch;
 - ``kernel``: the Triton selection alone, on given logits;
 - ``graphed``: a CUDA graph of ``triton``, replayed (no host time), beside graphs of the
-  matmul alone (``mm graphed``) and of the torch path (``torch graphed``): GPU time.
+  matmul alone (``mm graphed``) and of the torch path (``torch graphed``): GPU time;
+- ``fp32 graphed`` (float32 weights): ``graphed`` without the weight's bf16 parts, the
+  large calls' float32 GEMM of widened activations that they replace.
 
 The issue's target is ``triton`` <= 30 us from 1 to 1024 tokens. Shapes: GLM-5.3-Flash
 (sigmoid, E=288, top-8, no group limit, H=4096), DeepSeek-V3 (sigmoid, E=256, top-8, 4 of
@@ -59,6 +61,7 @@ COLUMNS = (
     ("graphed", ">8.1f", "graphed_us"),
     ("mm graphed", ">10.1f", "matmul_graphed_us"),
     ("torch graphed", ">13.1f", "torch_graphed_us"),
+    ("fp32 graphed", ">12.1f", "fp32_graphed_us"),
     ("torch/triton", ">12.1f", "speedup"),
 )
 
@@ -82,6 +85,7 @@ class Router:
     torch_path: Callable[[torch.Tensor], object]
     one_launch: Callable[[torch.Tensor], object]
     select: Callable[[torch.Tensor], object]
+    without_planes: Callable[[torch.Tensor], object] | None = None
 
 
 def build(name: str) -> Router:
@@ -116,13 +120,15 @@ def build(name: str) -> Router:
     with torch.no_grad():
         router.weight.normal_(0.0, 0.02, generator=gen)
         router.e_score_correction_bias.uniform_(0.0, 1e-3, generator=gen)
-    route, bias = router.routing, router.e_score_correction_bias
+    route, bias, kernel = router.routing, router.e_score_correction_bias, router.kernel
+    assert kernel is not None
     return Router(
         hidden,
         lambda x: router_logits(x, router.weight),
         lambda x: route_logits(router_logits(x, router.weight), bias, use_triton=False, **route),
         router,
         lambda logits: route_logits(logits, bias, use_triton=True, **route),
+        lambda x: kernel.route(x, router.weight, router.tickets, bias),
     )
 
 
@@ -149,6 +155,9 @@ def measure(name: str, router: Router, count: int, args: argparse.Namespace) -> 
             "matmul_graphed_us": time(cuda_graph_replay(lambda: router.matmul(x))),
             "torch_graphed_us": time(cuda_graph_replay(lambda: router.torch_path(x))),
         }
+        if router.without_planes is not None:
+            fp32_path = router.without_planes
+            row["fp32_graphed_us"] = time(cuda_graph_replay(lambda: fp32_path(x)))
     row["speedup"] = row["torch_us"] / row["triton_us"]
     return row
 

@@ -9,7 +9,8 @@ Oracles are written here from the rules, in float64 where the rule is arithmetic
   flip the comparison): ids exactly, weights within ``WEIGHT_TOL`` of float64.
 
 Also: token counts that leave partial blocks (1, 15, 16, 17, 300, 1024; from 256 the
-logits are torch's GEMM's bits), calls under 16 tokens (selected a few rows at a time)
+logits are torch's GEMM's bits, or with a float32 weight's bf16 parts the sums of one bf16
+GEMM's three products), calls under 16 tokens (selected a few rows at a time)
 against whole blocks, E not a multiple of the 32-expert tile, repeated calls (the tickets
 come back to zero), direct launches equal to the JIT's and keyed per router, CUDA-graph
 replay and ``torch.compile(fullgraph=True)`` equal to eager, and no host sync in a call.
@@ -238,6 +239,32 @@ def test_large_calls_take_torchs_gemm_for_the_logits(kernels, name: str) -> None
     else:
         want = torch.mm(x.float(), weight.t())
     assert_bitwise_equal(logits, want, "logits")
+    alone_w, alone_ids = router.select(want, bias)
+    assert_bitwise_equal(ids, alone_ids, "ids")
+    assert_bitwise_equal(weights, alone_w, "weights")
+
+
+@pytest.mark.parametrize("tokens", [256, 300, 1024])
+def test_large_calls_with_weight_planes_add_three_bf16_products(kernels, tokens: int) -> None:
+    """Given a float32 weight's bf16 parts, the logits are one bf16 GEMM's (T, 3E) products
+    added in order (hi, mid, lo) bit for bit, within ``LOGIT_TOL`` of float64, and the
+    selection is the kernel's on them."""
+    from megamoe.core.router_logits import weight_planes
+
+    router, tickets, weight, bias = _router(kernels, "glm-sigmoid-E288")
+    planes = weight_planes(weight)
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).bfloat16()
+    x = x.cuda()
+    weights, ids, logits = router.route(x, weight, tickets, bias, planes)
+    stacked = torch.mm(x, planes.t(), out_dtype=torch.float32)
+    e = weight.shape[0]
+    want = stacked[:, :e] + stacked[:, e : 2 * e] + stacked[:, 2 * e :]
+    assert_bitwise_equal(logits, want, "logits")
+    exact = x.double() @ weight.double().t()
+    scale = x.double().abs() @ weight.double().abs().t()
+    err = float(((logits.double() - exact).abs() / scale).max())
+    print(f"{tokens} tokens, weight planes: logits vs float64 {err:.2e}")
+    assert err <= LOGIT_TOL
     alone_w, alone_ids = router.select(want, bias)
     assert_bitwise_equal(ids, alone_ids, "ids")
     assert_bitwise_equal(weights, alone_w, "weights")

@@ -20,7 +20,7 @@ from router_cases import (
     transformers_router,
 )
 
-from megamoe.core.router_logits import router_logits
+from megamoe.core.router_logits import PLANES, router_logits, weight_planes
 from megamoe.glm5next.config import Glm5NextConfig
 from megamoe.glm5next.router import Glm5NextRouter, grouped_topk, route_logits
 
@@ -193,6 +193,18 @@ def test_router_logits_are_float32_products() -> None:
     logits = router_logits(x, w)
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits.double(), x.double() @ w.double().t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scale", [1e-30, 0.02, 1.0, 1e30])
+def test_weight_planes_are_three_bf16_parts_that_sum_to_the_weight(scale: float) -> None:
+    """The float32 router weight's parts (the large-call GEMM's operand): bf16, hi first,
+    each part at most half an ulp of the one before, and their sum the weight exactly."""
+    w = torch.randn(8, 128, generator=torch.Generator().manual_seed(0)) * scale
+    planes = weight_planes(w)
+    assert planes.dtype == torch.bfloat16 and planes.shape == (PLANES * 8, 128)
+    hi, mid, lo = planes.double().chunk(PLANES)
+    assert torch.equal(hi + mid + lo, w.double())
+    assert bool((mid.abs() <= hi.abs() * 2.0**-8).all() and (lo.abs() <= mid.abs() * 2.0**-8).all())
 
 
 def test_bad_bias_shape_is_named() -> None:

@@ -101,7 +101,9 @@ def test_triton_path_matches_transformers_on_cuda_ties_included(name: str) -> No
     torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=0)
 
 
-def _cuda_router(shape: tuple[int, int, int, int], hidden: int = 512, seed: int = 1):
+def _cuda_router(
+    shape: tuple[int, int, int, int], hidden: int = 512, seed: int = 1, max_num_tokens: int = 8192
+):
     route = route_settings(shape, norm=True)
     config = Glm5NextConfig.from_dict(
         {
@@ -115,7 +117,7 @@ def _cuda_router(shape: tuple[int, int, int, int], hidden: int = 512, seed: int 
         }
     )
     gen = torch.Generator().manual_seed(seed)
-    router = Glm5NextRouter(config, device="cuda")
+    router = Glm5NextRouter(config, device="cuda", max_num_tokens=max_num_tokens)
     with torch.no_grad():
         router.weight.copy_(torch.randn(shape[0], hidden, generator=gen) * 0.05)
         router.e_score_correction_bias.copy_(torch.randn(shape[0], generator=gen) * 0.05)
@@ -139,6 +141,46 @@ def test_forward_takes_the_kernel_for_covered_shapes() -> None:
     torch_w, torch_ids = grouped_topk(torch.sigmoid(logits), bias, **route)
     assert_bitwise_equal(ids, torch_ids.to(torch.int32), "forward vs torch path")
     torch.testing.assert_close(weights, torch_w, rtol=0, atol=WEIGHT_TOLERANCE)
+
+
+def test_large_calls_take_the_weight_planes_which_follow_the_weight() -> None:
+    """From 256 tokens the router takes its weight's bf16 parts; they follow a
+    ``weight.copy_()`` on the next call and a ``.data`` write after ``refresh_planes()``."""
+    from megamoe.core.router_logits import weight_planes
+
+    router, _ = _cuda_router(ROUTER_SHAPES["glm5.3-flash"])
+    assert router.weight_planes is not None
+    x = torch.randn(300, 512, device="cuda").to(torch.bfloat16)
+    bias = router.e_score_correction_bias
+
+    def fresh() -> tuple[torch.Tensor, torch.Tensor]:
+        weights, ids, _ = router.kernel.route(
+            x, router.weight, router.tickets, bias, weight_planes(router.weight)
+        )
+        return weights, ids
+
+    for write in ("copy_", "data"):
+        got_w, got_ids = router(x)
+        want_w, want_ids = fresh()
+        assert_bitwise_equal(got_ids, want_ids, f"ids before the {write} write")
+        assert_bitwise_equal(got_w, want_w, f"weights before the {write} write")
+        new = torch.randn_like(router.weight) * 0.05
+        with torch.no_grad():
+            if write == "copy_":
+                router.weight.copy_(new)
+            else:
+                router.weight.data.copy_(new)
+                router.refresh_planes()
+        got_w, got_ids = router(x)
+        want_w, want_ids = fresh()
+        assert_bitwise_equal(got_ids, want_ids, f"ids after the {write} write")
+        assert_bitwise_equal(got_w, want_w, f"weights after the {write} write")
+
+
+def test_routers_that_never_reach_256_tokens_keep_no_planes() -> None:
+    shape = ROUTER_SHAPES["glm5.3-flash"]
+    assert _cuda_router(shape, max_num_tokens=255)[0].weight_planes is None
+    assert _cuda_router(shape, max_num_tokens=256)[0].weight_planes is not None
 
 
 def test_uncovered_shapes_run_the_torch_path() -> None:

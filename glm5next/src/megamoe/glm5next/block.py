@@ -264,6 +264,7 @@ class Glm5NextMegaMoeBlock(MoEBlock):
             self.experts.requantize_block_fp8(chunk=self.requant_chunk)
             self.experts.finalize()
         self._dense.commit()
+        self.gate.refresh_planes()  # written through ``.data``: no version bump to see
         if self.shared_experts is not None:
             self.shared_experts.commit()
 

@@ -20,7 +20,7 @@ from typing import TypedDict, Unpack
 import torch
 
 from megamoe.core.kernels import TRITON_AVAILABLE, one_launch_router
-from megamoe.core.router_logits import router_logits
+from megamoe.core.router_logits import PLANES, router_logits, weight_planes
 from megamoe.glm5next.config import ROUTER_TOP2, Glm5NextConfig
 
 NORM_EPS = 1e-20  # added to the renormalization's denominator, as the model does
@@ -196,6 +196,15 @@ class Glm5NextRouter(torch.nn.Module):
     kernel's selection (``megamoe.core.kernels.router_triton``). Elsewhere it is the torch
     path, ``megamoe.core.router_logits`` then :func:`route_logits`.
 
+    Where a forward can carry 256 tokens or more (``max_num_tokens``), the router also keeps
+    ``weight_planes``: the float32 weight as three bf16 parts
+    (``megamoe.core.router_logits.weight_planes``, (3E, H) bf16, 1.5x the weight's bytes),
+    so those calls take one bf16 tensor-core GEMM
+    instead of widening the activations for a float32 one. The parts follow the weight: the
+    block's ``finalize()`` rebuilds them (:meth:`refresh_planes`), and an eager call does
+    when the weight was written in place since (its version counter: ``weight.copy_()``).
+    A write through ``weight.data``, which bumps no version, needs ``refresh_planes()``.
+
     Attributes:
         weight: (E, H) float32 router weight (``gate.weight``; bf16 in checkpoints is
             widened exactly).
@@ -203,6 +212,7 @@ class Glm5NextRouter(torch.nn.Module):
         routing: the model's group-limited top-k settings (``routing_of(config)``).
         kernel: the one-launch router, None where it cannot run (no Triton, or a shape
             the kernel does not cover).
+        weight_planes: the weight's bf16 parts (3E, H), None where no call takes them.
 
     Args:
         config: the model's MoE settings.
@@ -236,12 +246,32 @@ class Glm5NextRouter(torch.nn.Module):
         )
         self.tickets: torch.Tensor
         self.register_buffer("tickets", tickets, persistent=False)
+        planes = None
+        on_cuda = device is not None and torch.device(device).type == "cuda"
+        if self.kernel is not None and on_cuda and max_num_tokens >= self.kernel.matmul_tokens:
+            planes = torch.zeros((PLANES * num_experts, hidden), dtype=BF16, device=device)
+        self.weight_planes: torch.Tensor | None
+        self.register_buffer("weight_planes", planes, persistent=False)
+        self._planes_version = self.weight._version  # zeros split into zeros
+
+    def refresh_planes(self) -> None:
+        """Rebuild ``weight_planes`` from the weight in place (no-op without them)."""
+        if self.weight_planes is not None:
+            self.weight_planes.copy_(weight_planes(self.weight))
+            self._planes_version = self.weight._version
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing weights (float32) and expert ids (int32) of each token, (tokens, top_k)."""
         if self.kernel is not None and hidden_states.is_cuda and hidden_states.dtype == BF16:
+            planes = self.weight_planes
+            if (
+                planes is not None
+                and not torch.compiler.is_compiling()
+                and self.weight._version != self._planes_version
+            ):
+                self.refresh_planes()  # the weight was written since (traced: finalize did)
             weights, ids, _ = self.kernel.route(
-                hidden_states, self.weight, self.tickets, self.e_score_correction_bias
+                hidden_states, self.weight, self.tickets, self.e_score_correction_bias, planes
             )
             return weights, ids
         return route_logits(

@@ -21,7 +21,10 @@ one launch:
 Calls of ``MATMUL_TOKENS`` (256) tokens or more take torch's GEMM (cuBLAS) for the
 logits and launch the selection alone: 16-token tiles read the weight once per 16 tokens,
 and at 1024 tokens the fused kernel took 2.4x (GLM) to 7.5x (Qwen4-Exp) cuBLAS's GPU time
-on the H200. After a variant's first call the launch skips Triton's JIT
+on the H200. A float32 weight given with its three bf16 parts
+(``router_logits.weight_planes``, kept by its router) takes one bf16 tensor-core GEMM
+against them, whose three products the selection adds, instead of a float32 GEMM of
+widened activations. After a variant's first call the launch skips Triton's JIT
 (``kernels.launch.KernelLaunch``): 47 instead of 89 us of host time per call there.
 
 Selection (:func:`select_experts`, the 16 tokens of a block at once, each token's row a
@@ -57,7 +60,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from megamoe.core.kernels.launch import KernelLaunch, eager_key
-from megamoe.core.router_logits import router_logits
+from megamoe.core.router_logits import PLANES, router_logits
 
 __all__ = [
     "LAUNCH_SHAPES",
@@ -239,6 +242,32 @@ def _add_splits(
     tl.debug_barrier()  # the selection reads these rows back
 
 
+@triton.jit
+def _add_planes(
+    stacked_ptr: tl.tensor,
+    logits_ptr: tl.tensor,
+    first_token: tl.tensor,
+    num_tokens: tl.tensor,
+    PLANES: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    E_PAD: tl.constexpr,
+    ROWS: tl.constexpr,
+) -> None:
+    """Logits of tokens ``first_token .. + ROWS`` from stacked (T, PLANES * E) products.
+
+    Each row is ``[x.hi | x.mid | x.lo]`` of a split float32 weight, added in that order.
+    """
+    token = first_token + tl.arange(0, ROWS).to(tl.int64)
+    expert = tl.arange(0, E_PAD)
+    ok = (token < num_tokens)[:, None] & (expert < NUM_EXPERTS)[None, :]
+    source = stacked_ptr + token[:, None] * (PLANES * NUM_EXPERTS) + expert[None, :]
+    total = tl.zeros([ROWS, E_PAD], dtype=tl.float32)
+    for plane in tl.static_range(PLANES):
+        total += tl.load(source + plane * NUM_EXPERTS, mask=ok, other=0.0)
+    tl.store(logits_ptr + token[:, None] * NUM_EXPERTS + expert[None, :], total, mask=ok)
+    tl.debug_barrier()  # the selection reads these rows back
+
+
 @triton.jit(do_not_specialize=["num_tokens", "split_size"])
 def _route_kernel(
     x_ptr: tl.tensor,
@@ -253,6 +282,7 @@ def _route_kernel(
     split_size: tl.tensor,
     HIDDEN: tl.constexpr,
     GIVEN_LOGITS: tl.constexpr,
+    GIVEN_PLANES: tl.constexpr,
     SPLIT_FP32: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -280,7 +310,9 @@ def _route_kernel(
     is then unused: never an alias of a written argument, which ``torch.compile`` would
     clone apart). The block's last program then selects the experts of its ROWS tokens,
     SEL_ROWS at a time (skipping rows past the last token). ``GIVEN_LOGITS`` skips the
-    GEMM (one program per block, selection only). Inputs are contiguous.
+    GEMM (one program per block, selection only); with ``GIVEN_PLANES`` > 1 the given
+    products are the (T, GIVEN_PLANES * E) ``partial_ptr``, added into the logits first
+    (``_add_planes``). Inputs are contiguous.
     """
     num_experts: tl.constexpr = N_GROUP * PER_GROUP
     block = tl.program_id(0)
@@ -336,6 +368,9 @@ def _route_kernel(
             if first < num_tokens:
                 if SPLIT_K:
                     _add_splits(partial_ptr, logits_ptr, first, num_tokens, splits,
+                                num_experts, E_PAD, SEL_ROWS)  # fmt: skip
+                if GIVEN_PLANES > 1:
+                    _add_planes(partial_ptr, logits_ptr, first, num_tokens, GIVEN_PLANES,
                                 num_experts, E_PAD, SEL_ROWS)  # fmt: skip
                 select_experts(
                     logits_ptr, num_experts, bias_ptr, weights_ptr, ids_ptr, first, num_tokens,
@@ -443,10 +478,10 @@ class TritonRouter:
     routed_scaling_factor: float = 1.0
     shapes: tuple[LaunchShape, ...] = LAUNCH_SHAPES
     matmul_tokens: int = MATMUL_TOKENS
-    _plans: dict[tuple[int, int, bool, bool], _Plan] = field(
+    _plans: dict[tuple[int, int, bool, int], _Plan] = field(
         init=False, repr=False, compare=False, default_factory=dict
     )
-    _shared_plans: dict[tuple[LaunchShape, int, int, bool, bool], _Plan] = field(
+    _shared_plans: dict[tuple[LaunchShape, int, int, bool, int], _Plan] = field(
         init=False, repr=False, compare=False, default_factory=dict
     )
 
@@ -474,12 +509,13 @@ class TritonRouter:
                 chosen = shape
         return chosen
 
-    def _plan(self, tokens: int, hidden: int, fp32: bool, given_logits: bool) -> _Plan:
+    def _plan(self, tokens: int, hidden: int, fp32: bool, given: int) -> _Plan:
         """The launch of a call: its shape, hidden-size splits and constants.
 
-        The selection alone (``given_logits``) is planned by the caller for at most 16
-        tokens: its programs are token blocks, and larger blocks would only select more
-        serially.
+        ``given``: 0 for the kernel's own GEMM; else the selection alone, on logits given as
+        that many planes of products (1: the logits themselves). The selection alone is
+        planned by the caller for at most 16 tokens: its programs are token blocks, and
+        larger blocks would only select more serially.
         """
         shape = self._shape(tokens)
         per_group = self.num_experts // self.n_group
@@ -488,7 +524,7 @@ class TritonRouter:
         sel_rows = max(1, min(BLOCK_T, shape.rows, shape.select_entries // entries))
         blocks = triton.cdiv(tokens, shape.rows)
         block_h = shape.block_h // 2 if fp32 else shape.block_h
-        if given_logits:
+        if given:
             grid, split_size, hidden, block_h = (blocks, 1, 1), 0, 1, 16
         else:
             # Few programs: split the hidden size too, so that about ``shape.programs``
@@ -501,7 +537,8 @@ class TritonRouter:
         split_k = grid[2] > 1
         values = {
             "HIDDEN": hidden,
-            "GIVEN_LOGITS": given_logits,
+            "GIVEN_LOGITS": given > 0,
+            "GIVEN_PLANES": given,
             "SPLIT_FP32": fp32,
             "SPLIT_K": split_k,
             "BLOCK_H": block_h,
@@ -524,7 +561,7 @@ class TritonRouter:
         warps = shape.num_warps or (8 if sel_rows * entries > 2048 else 4)
         return _Plan(grid, split_size, shape.rows, constexprs, warps, (*constexprs, warps))
 
-    def _cached_plan(self, tokens: int, hidden: int, fp32: bool, given_logits: bool) -> _Plan:
+    def _cached_plan(self, tokens: int, hidden: int, fp32: bool, given: int) -> _Plan:
         """:meth:`_plan`, kept in eager mode (dynamo traces it instead).
 
         Looked up by call size first. A plan depends on the call size only through its
@@ -533,12 +570,12 @@ class TritonRouter:
         ``min(T, 16)`` tokens (its grid is the caller's), so both caches stay small.
         """
         if torch.compiler.is_compiling():
-            return self._plan(tokens, hidden, fp32, given_logits)
-        by_size = (tokens, hidden, fp32, given_logits)
+            return self._plan(tokens, hidden, fp32, given)
+        by_size = (tokens, hidden, fp32, given)
         plan = self._plans.get(by_size)
         if plan is None:
             shape = self._shape(tokens)
-            by_blocks = (shape, triton.cdiv(tokens, shape.rows), hidden, fp32, given_logits)
+            by_blocks = (shape, triton.cdiv(tokens, shape.rows), hidden, fp32, given)
             plan = self._shared_plans.get(by_blocks)
             if plan is None:
                 plan = self._shared_plans[by_blocks] = self._plan(*by_size)
@@ -551,6 +588,7 @@ class TritonRouter:
         weight: torch.Tensor,
         tickets: torch.Tensor,
         bias: torch.Tensor | None = None,
+        planes: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Route ``hidden_states`` (T, H) bf16 with ``weight`` (E, H), bf16 or float32.
 
@@ -560,9 +598,13 @@ class TritonRouter:
                 three, of its exact bf16 parts).
             tickets: :func:`ticket_buffer` for at least T tokens (used by one call at a time).
             bias: (E,) float32 selection bias (``SCORE_SIGMOID``), else None.
+            planes: ``router_logits.weight_planes`` of a float32 ``weight``, or None.
 
         Calls of ``matmul_tokens`` tokens or more take torch's GEMM for the logits (exact
-        products, float32 sums, like the kernel's) and launch the selection alone.
+        products, float32 sums, like the kernel's) and launch the selection alone. With
+        ``planes`` that GEMM is one bf16 tensor-core GEMM of the activations with the
+        weight's three bf16 parts (T, 3E), which the selection adds; without, a float32
+        GEMM of the widened activations.
 
         Returns:
             ``(topk_weights float32, topk_ids int32, logits float32)``: (T, top_k) twice,
@@ -591,6 +633,10 @@ class TritonRouter:
                 "ticket buffer serves; build the layer with a larger max_num_tokens"
             )
         if tokens >= self.matmul_tokens:
+            if planes is not None and weight.dtype == torch.float32:
+                stacked = torch.mm(hidden_states, planes.t(), out_dtype=torch.float32)
+                logits = stacked.new_empty((tokens, self.num_experts))
+                return (*self._select(stacked, bias, PLANES, logits), logits)
             logits = router_logits(hidden_states, weight)
             return (*self._select(logits, bias), logits)
         device = hidden_states.device
@@ -599,7 +645,7 @@ class TritonRouter:
         ids = torch.empty((tokens, self.top_k), dtype=torch.int32, device=device)
         if tokens == 0:
             return weights, ids, logits
-        plan = self._cached_plan(tokens, hidden, weight.dtype == torch.float32, False)
+        plan = self._cached_plan(tokens, hidden, weight.dtype == torch.float32, 0)
         grid = plan.grid
         if grid[2] > 1:
             partial = torch.empty((grid[2], tokens, self.num_experts), dtype=torch.float32,
@@ -639,20 +685,29 @@ class TritonRouter:
         return self._select(logits, bias)
 
     def _select(
-        self, logits: torch.Tensor, bias: torch.Tensor | None
+        self,
+        given: torch.Tensor,
+        bias: torch.Tensor | None,
+        planes: int = 1,
+        logits: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`select` on logits known to be contiguous float32 (T, E)."""
-        tokens = logits.shape[0]
-        weights = torch.empty((tokens, self.top_k), dtype=torch.float32, device=logits.device)
-        ids = torch.empty((tokens, self.top_k), dtype=torch.int32, device=logits.device)
+        """:meth:`select` on contiguous float32 ``given`` (T, planes * E).
+
+        With ``planes`` > 1, ``given`` holds each token's products with the weight's parts
+        side by side; the kernel adds them into ``logits`` (T, E) first.
+        """
+        tokens = given.shape[0]
+        weights = torch.empty((tokens, self.top_k), dtype=torch.float32, device=given.device)
+        ids = torch.empty((tokens, self.top_k), dtype=torch.int32, device=given.device)
         if tokens == 0:
             return weights, ids
-        plan = self._cached_plan(min(tokens, BLOCK_T), 1, False, True)
+        plan = self._cached_plan(min(tokens, BLOCK_T), 1, False, planes)
         grid = (triton.cdiv(tokens, plan.rows), 1, 1)
-        bias_or_logits = logits if bias is None else bias
+        out = given if logits is None else logits
+        bias_or_logits = given if bias is None else bias  # never an alias of ``out``
         _launch(
-            _variant(plan, logits, bias_or_logits), grid, logits.device.index,
-            (logits, logits, bias_or_logits, logits, weights, ids, ids, logits, tokens, 0),
+            _variant(plan, given, bias_or_logits), grid, given.device.index,
+            (given, given, bias_or_logits, out, weights, ids, ids, given, tokens, 0),
             plan.constexprs, plan.num_warps,
         )  # fmt: skip
         return weights, ids
