@@ -189,6 +189,14 @@ def test_bench_runs_only_the_scripts_shipped_with_megamoe(
         (["verify", "CKPT", "--layers", ","], "--layers ',' selects no layer; name some of"),
         (["sample", "OUT", "--num-layers", "2000"], "--num-layers: '2000' is not an integer"),
         (["inspect", "CKPT", "--ep-size", "3"], "--ep-size 3 does not divide the 4 routed"),
+        (
+            ["verify", "CKPT", "--backend", "deepgemm", "--device", "cpu"],
+            "experts backend 'deepgemm' cannot run fp8_block on cpu: ",
+        ),
+        (
+            ["demo", "--backend", "deepgemm", "--device", "cpu", "--no-progress"],
+            "pass --backend reference (or --backend auto) to use the torch reference path",
+        ),
     ],
 )
 def test_usage_mistakes_exit_2(

@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TextIO
 
@@ -22,7 +22,8 @@ from tqdm import tqdm
 from megamoe.core.adapters import MoELayer, SyntheticSizes
 from megamoe.core.cli import EXIT_FAIL, EXIT_OK
 from megamoe.core.demo import format_table
-from megamoe.core.errors import UsageError
+from megamoe.core.errors import CapabilityError, UsageError
+from megamoe.core.formats import WeightFormat
 from megamoe.core.inspection import human_bytes
 
 SAMPLE_MAX_BYTES = 4 << 30  # megamoe sample writes small checkpoints
@@ -74,12 +75,37 @@ def _bar(total: int, unit: str, on: bool) -> Iterator[tqdm]:
         yield bar
 
 
+def check_backend_runs(backend: str, runs: Iterable[WeightFormat], device: torch.device) -> None:
+    """Refuse a ``--backend`` that cannot run one of the run formats ``runs`` on ``device``.
+
+    Checked before anything loads, as a ``--moe-format`` the target cannot run is.
+
+    Raises:
+        UsageError: the backend's reason, and the flags to pass instead.
+    """
+    from megamoe.core.backends.select import resolve_backend
+
+    for run in dict.fromkeys(runs):
+        try:
+            resolve_backend(backend, run, device)
+        except CapabilityError as exc:
+            raise UsageError(str(exc)) from exc
+
+
 def run_demo(args: argparse.Namespace) -> int:
     """``megamoe demo``."""
+    from megamoe.core.block_setup import target_arch
     from megamoe.core.demo import demo_combinations, run_demo
+    from megamoe.core.formats import resolve_formats
 
     device = resolve_device(args.device)
-    total = len(demo_combinations(args.adapter, args.format))
+    combinations = demo_combinations(args.adapter, args.format)
+    arch = target_arch(None, args.backend, device)
+    with warnings.catch_warnings():  # each load warns of its conversion itself
+        warnings.simplefilter("ignore")
+        runs = [resolve_formats(fmt, None, arch)[1] for _, fmt in combinations]
+    check_backend_runs(args.backend, runs, device)
+    total = len(combinations)
     _out("megamoe demo: synthetic checkpoint -> load -> forward -> float64 reference")
     with _bar(total, "checkpoint", _progress_on(args)) as bar:
         rows = run_demo(
@@ -250,7 +276,8 @@ def run_verify(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     with warnings.catch_warnings():  # each layer's load warns of its conversion itself
         warnings.simplefilter("ignore")
-        run_formats(layers, args.moe_format, target_arch(None, args.backend, device))
+        runs = run_formats(layers, args.moe_format, target_arch(None, args.backend, device))
+    check_backend_runs(args.backend, runs, device)
     parallel = ParallelSettings(ep_group=single_rank_group(device))
     rows, failed = [], 0
     with _bar(len(layers), "layer", _progress_on(args)) as bar:

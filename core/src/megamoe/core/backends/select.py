@@ -123,6 +123,6 @@ def resolve_backend(
     if reason is not None:
         raise CapabilityError(
             f"experts backend {name!r} cannot run {fmt.value} on {dev}: {reason}; "
-            "pass backend='reference' (or 'auto') to use the torch reference path"
+            "pass backend='reference' (or backend='auto') to use the torch reference path"
         )
     return backend_class(name)()
