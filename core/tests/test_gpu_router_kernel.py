@@ -268,6 +268,8 @@ def test_large_calls_with_weight_planes_add_three_bf16_products(kernels, tokens:
     alone_w, alone_ids = router.select(want, bias)
     assert_bitwise_equal(ids, alone_ids, "ids")
     assert_bitwise_equal(weights, alone_w, "weights")
+    with pytest.raises(ValueError, match=r"weight planes \(864, 1024\); expected \(864, 512\)"):
+        router.route(x[:, :512].contiguous(), weight[:, :512].contiguous(), tickets, bias, planes)
 
 
 def test_a_call_makes_no_host_sync(kernels) -> None:

@@ -341,7 +341,6 @@ def test_second_update_changes_only_that_subset() -> None:
     assert module.w13_weight_scale_inv.numel() == 0, "a reload stages in the run format"
 
 
-
 def test_a_reload_is_staged_and_the_previous_weights_serve_until_finalize() -> None:
     routed = _routed(seed=11)
     module = _experts()

@@ -612,7 +612,8 @@ class TritonRouter:
 
         Raises:
             ValueError: more tokens than ``tickets`` serves, activations that are not bf16,
-                or a weight that is neither bf16 nor float32 or not contiguous.
+                a weight that is neither bf16 nor float32 or not contiguous, or ``planes``
+                of another shape than (3E, H).
         """
         if hidden_states.dtype != torch.bfloat16 or weight.dtype not in _WEIGHT_DTYPES:
             raise ValueError(
@@ -634,6 +635,12 @@ class TritonRouter:
             )
         if tokens >= self.matmul_tokens:
             if planes is not None and weight.dtype == torch.float32:
+                if planes.shape != (PLANES * self.num_experts, hidden):
+                    raise ValueError(
+                        f"router (triton): weight planes {tuple(planes.shape)}; expected "
+                        f"({PLANES * self.num_experts}, {hidden}), the weight's three bf16 "
+                        "parts (router_logits.weight_planes)"
+                    )
                 stacked = torch.mm(hidden_states, planes.t(), out_dtype=torch.float32)
                 logits = stacked.new_empty((tokens, self.num_experts))
                 return (*self._select(stacked, bias, PLANES, logits), logits)

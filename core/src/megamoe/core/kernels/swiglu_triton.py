@@ -24,7 +24,7 @@ from triton.language.extra import libdevice
 
 from megamoe.core.kernels.launch import KernelLaunch, eager_key
 
-__all__ = ["swiglu_rows"]
+__all__ = ["bf16_limit", "swiglu_rows"]
 
 MAX_BLOCK = 1024  # columns per program: 4 warps of 32 threads, 8 bf16 each
 
