@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from gpu_marks import COMPILED_GPU_MARKS
+from sync_check import assert_no_host_sync
 
 from megamoe.core.adapters import MoEBlock, SyntheticSizes
 from megamoe.core.backends.deepgemm import DeepGemmBackend
@@ -122,11 +123,4 @@ def test_a_graph_captured_with_the_aux_stream_replays_eager(block: MoEBlock, aux
 def test_the_forward_never_syncs_the_host(block: MoEBlock) -> None:
     x = _tokens()
     with torch.no_grad():
-        block(x)  # warm: first-call work (kernel compilation, caches)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            block(x)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+        assert_no_host_sync(lambda: block(x))

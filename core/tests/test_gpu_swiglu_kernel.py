@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gpu_marks import COMPILED_GPU_MARKS
+from sync_check import assert_no_host_sync
 
 from megamoe.core.bitcheck import assert_bitwise_equal
 from megamoe.core.formats import WeightFormat
@@ -107,9 +108,4 @@ def test_the_bf16_mlp_takes_it_on_cuda_graphed_compiled_and_sync_free(kernel, li
         torch._dynamo.reset()
         compiled = torch.compile(mlp, fullgraph=True)  # a graph break raises
         assert_bitwise_equal(compiled(x), want, "compiled MLP")
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            mlp(x)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        assert_no_host_sync(lambda: mlp(x))

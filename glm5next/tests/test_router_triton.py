@@ -19,6 +19,7 @@ from router_cases import (
     tie_kinds,
     transformers_router,
 )
+from sync_check import assert_no_host_sync
 
 from megamoe.core.bitcheck import assert_bitwise_equal
 from megamoe.glm5next.config import Glm5NextConfig
@@ -239,10 +240,4 @@ def test_cuda_graph_replay_equals_eager() -> None:
 def test_forward_makes_no_host_sync() -> None:
     router, _ = _cuda_router(ROUTER_SHAPES["deepseek-v3"])
     x = torch.randn(32, 512, device="cuda").to(torch.bfloat16)
-    router(x)  # the kernel compiles outside the check
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        router(x)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    assert_no_host_sync(lambda: router(x))
