@@ -117,6 +117,29 @@ def test_a_reload_failing_after_an_in_place_write_serves_nothing_until_repaired(
     assert torch.equal(experts(*_inputs()), _served(1)(*_inputs()))
 
 
+def test_a_repair_attempt_that_is_dropped_repairs_nothing() -> None:
+    """A partial repair that finalize() refuses and the caller then drops leaves its shards
+    unrepaired: the failed reload's bits there are never served beside the old weights."""
+    experts = _served(0)
+    old, new = _stream(0), _stream(1)
+    with pytest.raises(NonFiniteError):
+        experts.load_weights(_nan(new, "6.down_proj.weight_scale_inv"))
+    written = experts.unrepaired_shards
+    assert (0, "w1") in written
+    experts.load_weights([(n, t) for n, t in old if n.startswith("0.")])  # repair expert 0
+    with pytest.raises(MissingExpertsError, match=r"had written \d+ shard"):
+        experts.finalize()  # the other shards are still the failed reload's
+    assert experts.unrepaired_shards == written, "a refused finalize() repaired nothing"
+    experts.discard_pending()  # the engine drops that attempt
+    assert experts.unrepaired_shards == written
+    experts.load_weights([(n, t) for n, t in old if not n.startswith("0.")])
+    with pytest.raises(MissingExpertsError, match=r"expert slot 0 .*gate_proj"):
+        experts.finalize()  # expert 0 still holds the failed reload's bits
+    experts.load_weights([(n, t) for n, t in old if n.startswith("0.")])
+    experts.finalize()
+    assert torch.equal(experts(*_inputs()), _served(0)(*_inputs()))
+
+
 def test_nothing_unchecked_is_written_in_place() -> None:
     """A bad tensor whose check is still pending (on a GPU: until the load call ends) is
     read back before the first in-place write, so the previous weights keep serving."""

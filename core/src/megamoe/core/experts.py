@@ -211,15 +211,16 @@ class MegaMoEExperts(ExpertLoading, FixedModule):
         self._pairing.check_complete()
         self._run_pairing.check_complete()
         changed_shards = self._pending.keys() | self._direct | self._in_place
-        self._unrepaired -= changed_shards
-        if self._unrepaired:
+        # Only a committed update repairs: an attempt that fails here and is then
+        # discarded leaves its shards as the failed reload wrote them.
+        unrepaired = self._unrepaired - changed_shards
+        if unrepaired:
             listed = format_keys(
-                f"{self.layout.slot_label(s)}: {SHARD_TO_PROJ[sh]}"
-                for s, sh in sorted(self._unrepaired)
+                f"{self.layout.slot_label(s)}: {SHARD_TO_PROJ[sh]}" for s, sh in sorted(unrepaired)
             )
             raise MissingExpertsError(
                 f"{self.layout.label}: a reload that failed had written "
-                f"{len(self._unrepaired)} shard(s) in place, beyond reload_staging_bytes="
+                f"{len(unrepaired)} shard(s) in place, beyond reload_staging_bytes="
                 f"{self.reload_staging_bytes}: {listed}; the layer serves nothing until they "
                 "are loaded again (load the whole update again, then finalize())"
             )
@@ -240,6 +241,7 @@ class MegaMoEExperts(ExpertLoading, FixedModule):
             )
         for (slot, shard_id), (weight, scale) in self._pending.take():
             self._commit(slot, shard_id, weight, scale)
+        self._unrepaired = unrepaired
         self._written |= changed_shards
         self._direct.clear()
         self._in_place.clear()
