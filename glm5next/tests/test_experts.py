@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from megamoe.core import quant
 from megamoe.core.bitcheck import assert_bitwise_equal
-from megamoe.core.errors import IncompleteShardsError, NonFiniteError
+from megamoe.core.errors import IncompleteShardsError, MissingExpertsError, NonFiniteError
 from megamoe.core.expert_loading import STAGE_WHOLE_RELOAD
 from megamoe.core.formats import WeightFormat
 from megamoe.core.l1_order import L1RowOrder
@@ -309,6 +309,33 @@ def test_missing_halves_name_local_expert_and_shard() -> None:
     )
     _, (w2, _) = _expected_l1_l2(routed, "7.")
     assert_bitwise_equal(module.kernel_params["w2_weight"][1], w2, "expert 7 down")
+
+
+def test_the_backend_prepares_a_first_load_only_once_it_is_complete(monkeypatch) -> None:
+    """A first load missing an expert: finalize() names the slot and prepares nothing (the
+    DeepGEMM backend refuses a first prepare() of a subset), keeping the load pending; once
+    the expert arrives one prepare() covers every slot."""
+    module = _experts()
+    calls: list[list[int]] = []
+    prepare = module.backend.prepare
+    monkeypatch.setattr(
+        module.backend,
+        "prepare",
+        lambda experts, ids: (calls.append(list(ids)), prepare(experts, ids)),
+    )
+    routed = _routed(seed=21)
+    module.load_weights((n, t) for n, t in routed.items() if not n.startswith(f"{E - 1}."))
+    with pytest.raises(MissingExpertsError, match=r"1 kernel slot\(s\) never received"):
+        module.finalize()
+    assert calls == []
+    module.load_weights((n, t) for n, t in routed.items() if n.startswith(f"{E - 1}."))
+    module.finalize()
+    assert calls == [list(range(E))]
+    fresh = _experts()
+    _load(fresh, routed)
+    fresh.finalize()
+    for name, value in fresh.kernel_params.items():
+        assert_bitwise_equal(module.kernel_params[name], value, name)
 
 
 def test_second_update_changes_only_that_subset() -> None:

@@ -245,10 +245,18 @@ class MegaMoEExperts(ExpertLoading, FixedModule):
         self._written |= changed_shards
         self._direct.clear()
         self._in_place.clear()
-        changed = sorted({slot for slot, _ in changed_shards})
+        changed = sorted({slot for slot, _ in changed_shards} | self._rewritten_slots())
         if changed:
             self.backend.prepare(self, changed)
         self._finalized = self._serving = True
+
+    def _rewritten_slots(self) -> set[int]:
+        """Slots a subclass rewrote in place since the last ``finalize()`` (none here).
+
+        ``finalize()`` has the backend prepare them with the changed ones, once every check
+        passed.
+        """
+        return set()
 
     def forward(
         self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor

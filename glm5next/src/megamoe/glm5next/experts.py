@@ -331,11 +331,13 @@ class Glm5NextMegaMoEExperts(MegaMoEExperts):
             MissingExpertsError: kernel slots that never received their tensors.
         """
         self.requantize_block_fp8()
-        if self._requantized_slots:
-            self.backend.prepare(self, sorted(self._requantized_slots))
-            self._requantized_slots.clear()
-        super().finalize()
+        super().finalize()  # prepares the requantized slots too, once every check passed
+        self._requantized_slots.clear()
         self._release_block_scales()
+
+    def _rewritten_slots(self) -> set[int]:
+        """The slots requantized in place that the backend has not prepared yet."""
+        return set(self._requantized_slots)
 
     def _release_block_scales(self) -> None:
         """Free the staged block scales once serving: a reload is requantized as it loads."""
