@@ -27,7 +27,7 @@ def test_checks_name_the_tensor_and_leave_the_parameter() -> None:
     assert torch.equal(param.float(), value)
     with pytest.raises(ValueError, match=r"x\.gate\.weight has shape \(8, 4\), expected \(4, 8\) "):
         update.load("gate.weight", param, value.T.contiguous(), shape_note="E=4, H=8")
-    for dtype in (torch.float8_e4m3fn, torch.int32):
+    for dtype in (torch.float8_e4m3fn, torch.int32, torch.float64):
         with pytest.raises(ValueError, match=r"expected bf16/fp16/fp32: megamoe loads it"):
             update.load("gate.weight", param, value.to(dtype), shape_note="")
     bad = value.clone()
@@ -37,6 +37,24 @@ def test_checks_name_the_tensor_and_leave_the_parameter() -> None:
     with pytest.raises(ValueError, match=r"x\.down_proj holds NaN or infinity"):
         update.write("down_proj", param, torch.full((4, 8), float("inf")), shape_note="")
     assert torch.equal(param.float(), value)  # refused tensors leave it as it was
+
+
+@pytest.mark.parametrize("serving", [False, True], ids=["first load", "reload"])
+def test_finite_values_that_overflow_the_parameter_dtype_are_refused(serving: bool) -> None:
+    """Checked as they would be served: 3.4e38 is a finite float32 but infinity in bf16."""
+    update, param = DenseUpdate(LABEL), _param()
+    update.load("gate.weight", param, _value(0.125), shape_note="")
+    if serving:
+        update.commit()
+    big = _value(0.125)
+    big[1, 2] = 3.4e38
+    with pytest.raises(
+        ValueError,
+        match=r"x\.gate\.weight holds values beyond torch\.bfloat16's range \(largest \|x\| 3\.4e",
+    ):
+        update.load("gate.weight", param, big, shape_note="")
+    update.commit()
+    assert torch.equal(param.float(), _value(0.125))
 
 
 def test_first_load_writes_straight_in_then_reloads_wait_for_commit() -> None:

@@ -25,9 +25,12 @@ import torch
 UNQUANTIZED_DTYPES = "bf16/fp16/fp32"  # what loads_unquantized accepts, for messages
 
 
+_UNQUANTIZED = (torch.bfloat16, torch.float16, torch.float32)
+
+
 def loads_unquantized(dtype: torch.dtype) -> bool:
-    """Whether a router, bias or gate stored as ``dtype`` loads (a float of 16 bits or more)."""
-    return dtype.is_floating_point and dtype.itemsize >= 2
+    """Whether a router, bias or gate stored as ``dtype`` loads (``UNQUANTIZED_DTYPES``)."""
+    return dtype in _UNQUANTIZED
 
 
 class PendingUpdateHolder(Protocol):
@@ -84,8 +87,8 @@ class DenseUpdate:
             shape_note: what the dimensions are, e.g. ``"n_routed_experts=8, hidden_size=256"``.
 
         Raises:
-            ValueError: a shape other than ``param``'s, a dtype narrower than 16-bit float,
-                or NaN or infinity.
+            ValueError: a shape other than ``param``'s, a dtype other than bf16, fp16 or
+                fp32, or NaN or infinity (also after the cast to ``param``'s dtype).
         """
         if loads_unquantized(tensor.dtype):
             self.write(name, param, tensor, shape_note=shape_note)
@@ -107,20 +110,29 @@ class DenseUpdate:
             shape_note: what the dimensions are, for the shape error.
 
         Raises:
-            ValueError: a shape other than ``param``'s, or NaN or infinity.
+            ValueError: a shape other than ``param``'s, or NaN or infinity (in ``value``, or
+                after its cast to ``param``'s dtype: values beyond its range).
         """
         if tuple(value.shape) != tuple(param.shape):
             raise ValueError(
                 f"{self.label}.{name} has shape {tuple(value.shape)}, expected "
                 f"{tuple(param.shape)} ({shape_note})"
             )
-        if not bool(torch.isfinite(value).all()):
-            raise ValueError(f"{self.label}.{name} holds NaN or infinity; fix the checkpoint")
+        cast = value.to(device=param.device, dtype=param.dtype)
+        if not bool(torch.isfinite(cast).all()):  # checked as stored: a cast may overflow
+            held = (
+                "NaN or infinity"
+                if not bool(torch.isfinite(value).all())
+                else f"values beyond {param.dtype}'s range (largest |x| "
+                f"{float(value.abs().max()):.3g})"
+            )
+            raise ValueError(f"{self.label}.{name} holds {held}; fix the checkpoint")
         if not self._serving:
-            param.data.copy_(value)
+            param.data.copy_(cast)
             self._direct.add(name)
             return
-        self._staged[name] = (param, torch.empty_like(param.data).copy_(value))
+        staged = cast if cast is not value else torch.empty_like(param.data).copy_(value)
+        self._staged[name] = (param, staged)
 
     def missing(self, names: Iterable[str]) -> list[str]:
         """Those of ``names`` neither written nor staged."""
