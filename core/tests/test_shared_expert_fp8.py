@@ -353,6 +353,29 @@ def test_a_bad_tensor_is_refused_before_anything_of_its_projection_is_written(
         mlp.check_loaded()
 
 
+@pytest.mark.parametrize(
+    ("fmt", "name", "corrupt", "error", "message"),
+    [
+        (WeightFormat.BF16, "up_proj.weight", lambda t: t.float(), TypeError,
+         r"shared_expert\.up_proj\.weight has dtype torch\.float32, expected torch\.bfloat16"),
+        (FP8, "down_proj.weight", lambda t: t.t().contiguous(), ValueError,
+         r"shared_expert\.down_proj\.weight has shape \(384, 256\), expected \(256, 384\)"),
+        (FP8, "gate_proj.weight", lambda t: t.view(torch.int8), TypeError,
+         r"shared_expert\.gate_proj: weight dtype torch\.int8 does not match format 'fp8_block'"),
+        (WeightFormat.MXFP4, "down_proj.weight", lambda t: t[:, :-1].contiguous(),
+         ValueError, r"down_proj\.weight has shape \(256, 191\), expected \(256, 192\) \(mxfp4"),
+    ],
+)  # fmt: skip
+def test_the_bf16_paths_refusals_name_the_tensor(
+    fmt: WeightFormat, name: str, corrupt: object, error: type, message: str
+) -> None:
+    """Checkpoint tensors dequantized to bf16 are checked by name before dequantization."""
+    tensors = checkpoint(seed=6, fmt=fmt)
+    mlp = SwiGLUMLP(H, INTER, fmt, prefix=PREFIX, gemm="bf16")
+    with pytest.raises(error, match=message):
+        mlp.load_weights(_bad(tensors, name, corrupt(tensors[name])))  # type: ignore[operator]
+
+
 def test_a_reload_is_staged_until_commit_and_written_in_place(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

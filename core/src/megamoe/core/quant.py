@@ -228,6 +228,8 @@ def dequantize(
     scales: Tensor | None,
     fmt: WeightFormat | str,
     block_size: tuple[int, int] = BLOCK_FP8_DEFAULT,
+    *,
+    name: str = "values",
 ) -> Tensor:
     """Decode weights stored in ``fmt`` to float32 (non-finite values pass through).
 
@@ -240,6 +242,7 @@ def dequantize(
             float8_e4m3fn scales themselves for a global scale of 1.
         fmt: the stored format.
         block_size: FP8_BLOCK block (rows, columns).
+        name: the tensor named in errors.
 
     Returns:
         float32 tensor (..., K) (K = 2 x bytes for MXFP4).
@@ -249,7 +252,7 @@ def dequantize(
         ValueError: a missing, unexpected or mis-shaped scale.
     """
     fmt, block = WeightFormat.parse(fmt), _check_block(block_size)
-    return _dequantize(values, _checked(values, scales, fmt, block, "values"), fmt, block)
+    return _dequantize(values, _checked(values, scales, fmt, block, name), fmt, block)
 
 
 # ---------------------------------------------------------------------------- requantize

@@ -183,8 +183,9 @@ class SwiGLUMLP(torch.nn.Module):
             ValueError: an unexpected name, a shape that does not match, or NaN or infinity
                 (after dequantization for ``bf16``; in the weight or scale for
                 ``deep_gemm``, as ``NonFiniteError``).
-            TypeError: ``deep_gemm``: a weight that is not float8_e4m3fn, or a scale that
-                is not floating point.
+            TypeError: a weight or scale of a dtype its checkpoint format does not store
+                (``bf16``: a bf16 checkpoint's weight that is not bf16; ``deep_gemm``: a
+                weight that is not float8_e4m3fn, or a scale that is not floating point).
             InvalidScaleError: a block-FP8 scale that is zero or negative.
         """
         halves = self._halves
@@ -208,14 +209,28 @@ class SwiGLUMLP(torch.nn.Module):
 
     def _write_bf16(self, proj: str, parts: dict[str, torch.Tensor]) -> None:
         """Dequantize a projection's halves into its bf16 parameter (or stage them)."""
-        scale_name = self.checkpoint_format.scale_name
-        param = self._bf16_slot(proj)
-        if self.checkpoint_format is WeightFormat.FP8_BLOCK and scale_name is not None:
+        fmt, scale_name = self.checkpoint_format, self.checkpoint_format.scale_name
+        param, weight = self._bf16_slot(proj), parts["weight"]
+        if fmt is WeightFormat.BF16 and weight.dtype != torch.bfloat16:
+            raise TypeError(
+                f"{self.prefix}.{proj}.weight has dtype {weight.dtype}, expected torch.bfloat16 "
+                "for a bf16 checkpoint, as the routed experts are; cast it with "
+                ".to(torch.bfloat16), or pass the checkpoint_format it is stored in"
+            )
+        stored = (*param.shape[:-1], param.shape[-1] // fmt.values_per_byte)
+        if tuple(weight.shape) != stored:
+            raise ValueError(
+                f"{self.prefix}.{proj}.weight has shape {tuple(weight.shape)}, expected "
+                f"{stored} ({fmt.value} storage of the ({', '.join(map(str, param.shape))}) "
+                "projection: hidden_size and the shared intermediate size per config.json)"
+            )
+        if fmt is WeightFormat.FP8_BLOCK and scale_name is not None:
             check_block_scales(parts[scale_name], f"{self.prefix}.{proj}.{scale_name}")
         dense = quant.dequantize(
-            parts["weight"].to(param.device),
+            weight.to(param.device),
             None if scale_name is None else parts[scale_name].to(param.device),
-            self.checkpoint_format,
+            fmt,
+            name=f"{self.prefix}.{proj}",
         )
         self._update.write(proj, param, dense, shape_note="after dequantization")
 
