@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from megamoe.core import nvfp4, quant
@@ -43,7 +44,7 @@ from megamoe.core.convert_output import (
     remove_stale_partials,
     write_new,
 )
-from megamoe.core.errors import CheckpointError, UsageError
+from megamoe.core.errors import CheckpointError, NonFiniteError, UsageError
 from megamoe.core.expert_names import (
     CT_GLOBAL_SCALE,
     EXPERT_PROJS,
@@ -62,6 +63,7 @@ from megamoe.core.expert_names import (
 from megamoe.core.finiteness import check_block_scales, count_nonfinite
 from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
 from megamoe.core.hf_config import quantization_config
+from megamoe.core.mx_codes import UE8M0_DTYPES, as_ue8m0_bytes
 from megamoe.core.quant_config import unmark_converted
 from megamoe.core.shardfile import (
     ShardWriter,
@@ -135,8 +137,9 @@ class _Plan:
     files: dict[str, dict[str, tuple[tuple[int, int], TensorSpec]]]
     copies: list[tuple[str, str]] = field(default_factory=list)
     layers: list[tuple[MoELayer, list[_Projection]]] = field(default_factory=list)
-    # Block-FP8 expert scales copied unchanged: checked (> 0) while they are copied.
-    checked_scales: set[str] = field(default_factory=set)
+    # Expert tensors copied unchanged (routed and shared), checked as they are copied: no
+    # NaN or infinity, block-FP8 scales > 0, as loading checks them.
+    checked_copies: set[str] = field(default_factory=set)
     # Shared experts stored unlike the routed ones: they run apart, in their stored format,
     # online too, so they are copied as they are (offline equals online).
     stored_apart: list[str] = field(default_factory=list)
@@ -152,9 +155,10 @@ def convert_checkpoint(
     name, and the directory is renamed to ``out`` only once complete; on any error it is
     removed. A partial directory left by a convert whose process is gone is removed first,
     with a warning naming it. Besides the converted shards, the index and ``config.json``,
-    the source's other regular files are copied by content (symlinks followed; one whose
-    target lies outside the checkpoint directory with a warning); weight files the index
-    does not name, directories, FIFOs and devices are left out with a warning naming them.
+    the source's other regular files are copied by content (symlinks followed within the
+    checkpoint directory and its Hugging Face cache); weight files the index does not
+    name, directories, FIFOs, devices and symlinks leading outside the checkpoint are left
+    out with a warning naming them.
 
     Args:
         src: the source checkpoint directory.
@@ -292,13 +296,13 @@ def _plan(reader: CheckpointReader, dst: WeightFormat) -> _Plan:
             if apart:
                 plan.stored_apart.append(prefix)  # runs as a separate MLP: left as stored
             group = [] if apart else _group(reader, layer, prefix, dst, source)
-            if not group:  # copied unchanged: its block scales are still checked
-                plan.checked_scales |= {
-                    f"{prefix}.{rel}"
-                    for rel in reader.names_under(prefix)
-                    if rel.endswith(f".{WeightFormat.FP8_BLOCK.scale_name}")
-                }
+            if not group:  # copied unchanged: still checked
+                plan.checked_copies |= {f"{prefix}.{rel}" for rel in reader.names_under(prefix)}
             projections += group
+        if shared is not None and shared.prefix not in adapter.expert_prefixes(layer):
+            plan.checked_copies |= {  # a shared MLP beside the experts (Qwen4Exp): copied
+                f"{shared.prefix}.{rel}" for rel in reader.names_under(shared.prefix)
+            }
         for proj in projections:
             rows, cols = proj.weight.shape[0], proj.weight.shape[1] * proj.src.values_per_byte
             spec_w, spec_s = projection_specs(dst, rows, cols, block)
@@ -416,8 +420,8 @@ def _write(
         )
         for name, file in plan.copies:
             entry = headers[file][name]
-            if name in plan.checked_scales:
-                check_block_scales(read_tensor(fds[file], entry), f"{reader.path / file}: {name}")
+            if name in plan.checked_copies:
+                _check_copied(read_tensor(fds[file], entry), f"{reader.path / file}: {name}")
             writers[file].copy(name, fds[file], entry)
             bar.update(entry.end - entry.begin)
         converted = 0
@@ -429,6 +433,27 @@ def _write(
         for writer in writers.values():
             writer.close()
     return total, converted
+
+
+def _check_copied(tensor: torch.Tensor, what: str) -> None:
+    """Refuse an expert tensor copied unchanged that loading would refuse.
+
+    Raises:
+        NonFiniteError: NaN or infinity (an MX scale of 255 included).
+        InvalidScaleError: a block-FP8 scale that is not > 0.
+    """
+    block_scale = what.endswith(f".{WeightFormat.FP8_BLOCK.scale_name}")
+    mx_scale = tensor.dtype in UE8M0_DTYPES and what.endswith(f".{WeightFormat.MXFP8.scale_name}")
+    if mx_scale:
+        tensor = as_ue8m0_bytes(tensor, what)
+    bad = count_nonfinite(tensor, ue8m0=mx_scale)
+    if bad:
+        raise NonFiniteError(
+            f"{what} holds {bad} non-finite value(s) (NaN/inf); megamoe refuses to load it, "
+            "so convert does not copy it: fix the checkpoint"
+        )
+    if block_scale and tensor.is_floating_point():
+        check_block_scales(tensor, what)
 
 
 def _convert_one(

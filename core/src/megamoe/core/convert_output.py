@@ -6,8 +6,8 @@ single plain file name, so nothing planted at a name (a file, a symlink) is writ
 through. A partial directory whose process is gone is stale: the next conversion to the
 same ``OUT`` removes it, with a warning naming it. Besides the tensors, the index and
 ``config.json``, the source's other regular files are copied by content; weight files the
-index does not name and entries that are not regular files are left out, each named in a
-warning, and a copied symlink whose target lies outside the checkpoint is named too.
+index does not name, entries that are not regular files and symlinks whose target lies
+outside the checkpoint are left out, each named in a warning.
 """
 
 from __future__ import annotations
@@ -136,7 +136,13 @@ def _checkpoint_roots(src_dir: Path) -> list[Path]:
 
 
 def copy_other_files(src_dir: Path, partial: Path, skip: set[str]) -> None:
-    """Copy the source's other regular files; warn naming what is left out or links out."""
+    """Copy the source's other regular files; warn naming what is left out.
+
+    Left out: weight files the index does not name, entries that are not regular files,
+    and symlinks whose target lies outside the checkpoint directory (and its Hugging Face
+    cache's ``blobs/``): a checkpoint could otherwise link ``/proc/self/environ`` or a
+    secret into an output meant to be shared.
+    """
     roots = _checkpoint_roots(src_dir)
     weights, odd, outside = [], [], []
     with os.scandir(src_dir) as scan:
@@ -163,6 +169,7 @@ def copy_other_files(src_dir: Path, partial: Path, skip: set[str]) -> None:
             target = Path(os.path.realpath(path))
             if not any(target.is_relative_to(root) for root in roots):
                 outside.append(f"{name} (a symlink to {target})")
+                continue  # a name the checkpoint gives never leads outside it
         _copy_new(path, partial / name)
     if weights:
         warnings.warn(
@@ -177,8 +184,9 @@ def copy_other_files(src_dir: Path, partial: Path, skip: set[str]) -> None:
         )
     if outside:
         warnings.warn(
-            f"{src_dir}: copied the content of files linking outside the checkpoint "
-            f"directory: {'; '.join(outside)}; check these belong in the converted checkpoint",
+            f"{src_dir}: left out files linking outside the checkpoint directory: "
+            f"{'; '.join(outside)}; copy those that belong in the converted checkpoint "
+            "yourself",
             stacklevel=4,
         )
 

@@ -15,7 +15,7 @@ E2M1_MAX = 6.0  # largest E2M1 magnitude
 FP4_THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # midpoints between codes k and k+1
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of codes 0..7
 
-_UE8M0_DTYPES = (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))
+UE8M0_DTYPES = (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))
 _UE8M0_ZERO_BITS = 0x00400000  # float32 bits of 2^-127 (a subnormal): UE8M0 byte 0
 _UE8M0_NAN_BITS = 0x7FC00000  # float32 quiet NaN: UE8M0 byte 255
 
@@ -51,7 +51,7 @@ def as_ue8m0_bytes(scale: Tensor, what: str = "scale") -> Tensor:
     Raises:
         TypeError: another dtype.
     """
-    if scale.dtype not in _UE8M0_DTYPES:
+    if scale.dtype not in UE8M0_DTYPES:
         raise TypeError(
             f"{what} has dtype {scale.dtype}; UE8M0 scales are uint8 exponent bytes "
             "(or torch.float8_e8m0fnu): pass the checkpoint's weight_scale unchanged"
