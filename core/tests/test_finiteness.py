@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megamoe.core import finiteness
-from megamoe.core.errors import NonFiniteError
+from megamoe.core.errors import InvalidScaleError, NonFiniteError
 from megamoe.core.finiteness import NonFiniteLedger, count_nonfinite
 
 E4M3_NAN_BYTES = (0x7F, 0xFF)
@@ -129,3 +129,16 @@ def test_clear_drops_pending_counts() -> None:
     ledger.record("expert 0 w1 weight", torch.tensor([float("nan")]))
     ledger.clear()
     ledger.check()
+
+
+def test_a_block_scale_that_overflows_float32_at_e4m3s_largest_value_is_refused() -> None:
+    """448 x scale must stay a float32: 3e38 is finite but its block decodes to infinity."""
+    scale = torch.ones(2, 3)
+    scale[1, 2] = finiteness.MAX_BLOCK_SCALE  # the largest that decodes finitely
+    finiteness.check_block_scales(scale, "w.weight_scale_inv")
+    assert torch.isfinite(torch.tensor(448.0) * scale).all()
+    scale[0, 1] = 3e38
+    with pytest.raises(InvalidScaleError, match=r"w\.weight_scale_inv: block \(0, 1\) has scale 3"):
+        finiteness.check_block_scales(scale, "w.weight_scale_inv")
+    scale[0, 1] = torch.inf  # the non-finite check's, not this one's
+    finiteness.check_block_scales(scale, "w.weight_scale_inv")

@@ -1,8 +1,9 @@
 """Data checks of loaded weights and scales, read back once per load call (SPEC §5).
 
 Two checks: no weight or scale may decode to NaN or infinity, and a block-FP8 scale must be
-finite and > 0 (a zero scale erases its 128x128 block, a negative one flips its sign;
-neither is a quantization a checkpoint writer produces).
+finite, > 0 and at most ``MAX_BLOCK_SCALE`` (a zero scale erases its 128x128 block, a
+negative one flips its sign, a larger one makes E4M3's 448 overflow float32; none is a
+quantization a checkpoint writer produces).
 
 A checkpoint tensor is checked where it will live, after its one copy to the experts'
 device. On a GPU each tensor's count of NaN/inf stays on the device: ``NonFiniteLedger``
@@ -22,6 +23,9 @@ ALL_ONES = 0xFF  # UE8M0 NaN; float8_e4m3fn NaN once its sign bit is set
 SIGN_BIT = 0x80
 MAX_PENDING_COUNTS = 1024  # device counts kept apart before they are joined into one tensor
 FLAGGED = -1  # count of a conversion flag: non-finite values, number unknown
+E4M3_MAX = 448.0
+# The largest block-FP8 scale whose block decodes to finite float32 values (448 x scale).
+MAX_BLOCK_SCALE = torch.finfo(torch.float32).max / E4M3_MAX
 
 
 def _nonfinite_mask(tensor: torch.Tensor, ue8m0: bool) -> torch.Tensor | None:
@@ -53,14 +57,16 @@ def _may_hold_nonfinite(tensor: torch.Tensor, ue8m0: bool) -> bool:
 
 def _bad_scale_summary(scale: torch.Tensor) -> torch.Tensor:
     """float64 ``[bad count, flat index of the first bad scale, its value]`` (no host sync)."""
-    bad = (scale <= 0).reshape(-1)  # NaN and inf are the non-finite check's
+    # NaN and infinity are the non-finite check's.
+    huge = (scale > MAX_BLOCK_SCALE) & (scale < torch.inf)
+    bad = ((scale <= 0) | huge).reshape(-1)
     first = torch.argmax(bad.to(torch.uint8)).reshape(1)
     value = scale.reshape(-1).index_select(0, first)  # a tensor index: no host sync
     return torch.cat([bad.sum().reshape(1), first, value.reshape(1)]).double()
 
 
 def check_block_scales(scale: torch.Tensor, what: str) -> None:
-    """Raise unless every block-FP8 scale is > 0 (reads back: a host sync).
+    """Raise unless every block-FP8 scale is > 0 and at most ``MAX_BLOCK_SCALE`` (a sync).
 
     NaN and infinity are ``count_nonfinite``'s to report (``NonFiniteError``).
 
@@ -86,7 +92,8 @@ def _raise_bad_scales(what: str, shape: tuple[int, ...], summary: list[float]) -
     others = f" ({int(count)} bad blocks in all)" if count > 1 else ""
     raise InvalidScaleError(
         f"{what}: block {block} has scale {value!r}{others}; block-FP8 scales must be > 0 "
-        "(0 erases the block, a negative scale flips it): fix the checkpoint tensor"
+        f"and <= {MAX_BLOCK_SCALE:.3g} (0 erases the block, a negative scale flips it, a "
+        "larger one overflows float32 at E4M3's 448): fix the checkpoint tensor"
     )
 
 
