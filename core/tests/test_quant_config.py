@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from megamoe.core import quant_config
 from megamoe.core.formats import WeightFormat
 from megamoe.core.quant_config import (
     CONVERTED_KEY,
@@ -95,6 +96,35 @@ def test_fp8_ignore_of_other_layers_or_router_keeps_fp8() -> None:
     ignore = ["model.layers.3.mlp.gate", "model.layers.30.mlp.experts", "lm_head", "gate"]
     config = {**FP8, "modules_to_not_convert": ignore}
     assert detect_expert_format(config, PREFIX, num_experts=4) is WeightFormat.FP8_BLOCK
+
+
+def test_a_long_ignore_list_of_other_modules_is_not_matched_expert_by_expert(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A real FP8 save lists each layer's router, gates and attention projections (145
+    entries for 48 layers): they cannot name an expert's projection, so they are sorted out
+    once instead of being matched against each of 512 x 3 expert modules per layer; entries
+    that can still are matched (the experts named one by one are BF16)."""
+    others = ["lm_head"] + [
+        f"model.layers.{i}.{m}"
+        for i in range(48)
+        for m in ("linear_attn.in_proj_ba", "mlp.gate", "mlp.shared_expert_gate")
+    ]
+    calls = 0
+    matches_any = quant_config._matches_any
+
+    def counted(*args: Any, **kwargs: Any) -> bool:
+        nonlocal calls
+        calls += 1
+        return matches_any(*args, **kwargs)
+
+    monkeypatch.setattr(quant_config, "_matches_any", counted)
+    config = {**FP8, "modules_to_not_convert": others}
+    assert detect_expert_format(config, PREFIX, num_experts=512) is WeightFormat.FP8_BLOCK
+    assert calls <= 2, calls  # the prefix, not each of the 1536 expert modules
+    each = [f"{PREFIX}.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")]
+    config = {**FP8, "modules_to_not_convert": others + each}
+    assert detect_expert_format(config, PREFIX, num_experts=4) is WeightFormat.BF16
 
 
 def test_compressed_tensors_ignore_every_expert_linear_is_bf16() -> None:

@@ -308,7 +308,8 @@ def _ignored(
         return False
     if _matches_any(entries, (prefix,)):
         return True
-    hits = [m for m in modules if _matches_any(entries, (m,))]
+    below_prefix = [e for e in entries if _may_name_below(e)]
+    hits = [m for m in modules if _matches_any(below_prefix, (m,))] if below_prefix else []
     # Plain names below the prefix also say "part of the experts" without a count.
     below = [
         e
@@ -325,6 +326,20 @@ def _ignored(
             "itself or none of its modules"
         )
     return False
+
+
+def _may_name_below(entry: str) -> bool:
+    """Whether ``entry`` may name a module below an experts prefix that it does not name.
+
+    The modules are ``{prefix}.{e}.{proj}``. A plain entry that names one without naming
+    the prefix ends in its expert index or its projection; patterns may name anything.
+    Sorting the other entries out first keeps a long ignore list (one per layer's router,
+    gate, attention projections) from being matched against every expert of every layer.
+    """
+    if entry.startswith(REGEX_PREFIX) or "*" in entry:
+        return True
+    last = entry.rpartition(".")[2]
+    return last.isdigit() or last in EXPERT_PROJS
 
 
 def _matches_any(entries: Iterable[str], names: Iterable[str], class_name: str = "") -> bool:
