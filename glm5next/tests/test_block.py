@@ -276,6 +276,17 @@ def test_block_refuses_tensor_parallel(glm_checkpoint: Checkpoint, ep_group: Any
         )
 
 
+@pytest.mark.parametrize("chunk", [0, -2, 1.5, True])
+def test_a_requant_chunk_below_one_expert_is_refused_when_built(
+    glm_checkpoint: Checkpoint, parallel: ParallelSettings, chunk: object
+) -> None:
+    with pytest.raises(ValueError, match=rf"requant_chunk={chunk!r} must be an integer >= 1"):
+        Glm5NextMegaMoeBlock(
+            _config(glm_checkpoint), prefix=PREFIX, parallel=parallel, backend="reference",
+            requant_chunk=chunk,  # type: ignore[arg-type]
+        )  # fmt: skip
+
+
 def test_fusing_where_the_kernel_cannot_is_refused(
     glm_checkpoint: Checkpoint, parallel: ParallelSettings
 ) -> None:

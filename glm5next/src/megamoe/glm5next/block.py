@@ -83,7 +83,7 @@ class Glm5NextMegaMoeBlock(MoEBlock):
         NotImplementedError: no expert-parallel group, tensor parallel > 1, non-linear
             placement, a checkpoint format megamoe cannot load, or ``fuse_shared=True``
             where the run format cannot fuse (each names the option).
-        ValueError: sizes or an expert split that cannot run.
+        ValueError: sizes or an expert split that cannot run, or ``requant_chunk`` < 1.
     """
 
     experts: Glm5NextMegaMoEExperts
@@ -102,6 +102,15 @@ class Glm5NextMegaMoeBlock(MoEBlock):
         **options: Unpack[BlockOptions],
     ) -> None:
         super().__init__()
+        if (
+            isinstance(requant_chunk, bool)
+            or not isinstance(requant_chunk, int)
+            or requant_chunk < 1
+        ):
+            raise ValueError(
+                f"{prefix}: requant_chunk={requant_chunk!r} must be an integer >= 1 (experts "
+                f"requantized per step; default {DEFAULT_REQUANT_CHUNK})"
+            )
         cfg = config if isinstance(config, Glm5NextConfig) else Glm5NextConfig.from_dict(config)
         plan = plan_experts(MODEL_NAME, prefix, cfg, parallel=parallel, **options)
         self.config, self.prefix, self.requant_chunk = cfg, prefix, requant_chunk
