@@ -124,6 +124,16 @@ class ExpertLoading(abc.ABC):
         self._unrepaired: set[tuple[int, str]] = set()
 
     @contextlib.contextmanager
+    def loading(self) -> Iterator[None]:
+        """One load call made of several ``load_weights`` calls (a block's, tensor by tensor).
+
+        Inside it the non-finite counts are read back once, when it ends (one host sync on
+        a GPU, not one per call), and any error drops the whole pending update.
+        """
+        with self._update_guard():
+            yield
+
+    @contextlib.contextmanager
     def _update_guard(self) -> Iterator[None]:
         """Read the non-finite counts when the outermost load call ends; drop the update on error.
 

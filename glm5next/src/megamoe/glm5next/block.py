@@ -215,7 +215,7 @@ class Glm5NextMegaMoeBlock(MoEBlock):
             NonFiniteError: an expert tensor holds NaN or infinity.
         """
         loaded: set[str] = set()
-        with discard_on_error(self):
+        with discard_on_error(self), self.experts.loading():
             for name, tensor in weights:
                 head, _, rest = name.partition(".")
                 if head == EXPERTS:

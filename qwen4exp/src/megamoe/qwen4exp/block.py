@@ -222,7 +222,7 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
             NonFiniteError: a routed-expert tensor holds NaN or infinity.
         """
         loaded: set[str] = set()
-        with discard_on_error(self):
+        with discard_on_error(self), self.experts.loading():
             for name, tensor in weights:
                 head, _, rest = name.partition(".")
                 if head == EXPERTS:
