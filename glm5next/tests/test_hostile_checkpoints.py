@@ -132,6 +132,39 @@ def test_a_damaged_shared_expert_is_refused_by_every_command(
     _assert_convert_refuses(ckpt, "mxfp8", CheckpointError, message, capsys)
 
 
+def _add_tensor(ckpt: Path, name: str, tensor: torch.Tensor) -> None:
+    index = json.loads((ckpt / INDEX_FILE).read_text())
+    shard = next(iter(index["weight_map"].values()))
+    tensors = load_file(ckpt / shard)
+    tensors[name] = tensor
+    save_file(tensors, ckpt / shard)
+    index["weight_map"][name] = shard
+    (ckpt / INDEX_FILE).write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("rel", ["gate.extra_bias", "norm.weight"])
+def test_a_tensor_under_the_moe_block_that_no_part_loads_is_refused_by_every_command(
+    tmp_path: Path, rel: str, parallel: ParallelSettings, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = _checkpoint(tmp_path)
+    _add_tensor(ckpt, f"{LAYER}.{rel}", torch.ones(4))
+    message = rf"tensor '{re.escape(LAYER)}\.{re.escape(rel)}' is under the MoE block"
+    with pytest.raises(CheckpointError, match=message):
+        _load(ckpt, parallel)
+    for command in ("inspect", "verify"):
+        assert cli.main([command, str(ckpt)]) == 1
+        assert re.search(message, _one_line(capsys.readouterr().err))
+    _assert_convert_refuses(ckpt, "mxfp8", CheckpointError, message, capsys)
+
+
+def test_an_empty_tensor_under_the_moe_block_is_nothing_to_load(
+    tmp_path: Path, parallel: ParallelSettings
+) -> None:
+    ckpt = _checkpoint(tmp_path)
+    _add_tensor(ckpt, f"{LAYER}.gate.unused", torch.ones(0, 8))
+    _load(ckpt, parallel)
+
+
 # -- block-FP8 scales (data) ----------------------------------------------------------------
 
 SCALE_CASES = {

@@ -169,7 +169,9 @@ class MoEBlock(FixedModule):
         """Load this layer's tensors (only this rank's experts) and finalize.
 
         Only this rank's experts are read, one tensor at a time; a reader opened with an
-        adapter validated every header when it was opened.
+        adapter validated every header when it was opened. Empty tensors are nothing to load
+        (transformers saves a zero-width shared MLP for a model without shared experts) and
+        are not passed on.
 
         Args:
             reader: the checkpoint.
@@ -179,7 +181,8 @@ class MoEBlock(FixedModule):
             ValueError / IncompleteShardsError / MissingExpertsError: see the block's
                 ``load_weights`` and ``finalize``.
         """
-        self.load_weights(reader.iter_tensors(self.prefix, keep=self.wants))
+        tensors = reader.iter_tensors(self.prefix, keep=self.wants)
+        self.load_weights((name, tensor) for name, tensor in tensors if tensor.numel())
         self.finalize()
 
 

@@ -26,7 +26,8 @@ read: while loading and converting.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Iterator
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -297,8 +298,32 @@ class CheckpointReader:
         shared = adapter.shared_expert(self.config, layer)
         if shared is not None:
             self._check_shared(shared, hidden)
-        for name, shape in adapter.dense_tensors(self.config, layer).items():
+        dense = adapter.dense_tensors(self.config, layer)
+        for name, shape in dense.items():
             self._check_dense(layer, name, shape)
+        self._check_no_others(layer, [prefix] + ([] if shared is None else [shared.prefix]), dense)
+
+    def _check_no_others(
+        self, layer: MoELayer, prefixes: Sequence[str], dense: Mapping[str, object]
+    ) -> None:
+        """Refuse a tensor under the MoE block that its block would not load.
+
+        Empty tensors are let through: transformers saves a zero-width shared MLP for a
+        model without shared experts, and a block accepts those as nothing to load.
+        """
+        heads = tuple(f"{p}." for p in prefixes)
+        for rel in self.names_under(layer.prefix):
+            full = f"{layer.prefix}.{rel}"
+            empty = not math.prod(self.tensor_spec(full).shape)
+            if full in dense or full.startswith(heads) or empty:
+                continue
+            known = ", ".join([*(f"{p}.*" for p in prefixes), *dense])
+            raise CheckpointError(
+                f"{self.file_of(full)}: tensor {full!r} is under the MoE block {layer.prefix} "
+                f"but is none of the tensors its block loads ({known}); the checkpoint does "
+                f"not match {CONFIG_FILE}: fix the config (e.g. its shared-expert count) or "
+                "remove the tensor"
+            )
 
     def _check_dense(self, layer: MoELayer, name: str, shape: tuple[int, ...]) -> None:
         """A router, bias or gate tensor: present, unquantized floats, of ``shape``."""
