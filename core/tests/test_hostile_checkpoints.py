@@ -207,6 +207,28 @@ def _unknown_model(ckpt: Path) -> None:
     _config(ckpt, model_type="llama", architectures=["LlamaForCausalLM"])
 
 
+def _model_type_a_list(ckpt: Path) -> None:
+    _config(ckpt, model_type=["toymoe"])
+
+
+def _raw_json_key(path: Path, value: str) -> None:
+    """Add ``"x": <value>`` to a JSON object file as text (json.dumps would refuse it)."""
+    text = path.read_text().rstrip()
+    path.write_text(text[:-1] + f', "x": {value}}}')
+
+
+def _deep_config(ckpt: Path) -> None:
+    _raw_json_key(ckpt / "config.json", "[" * 100_000 + "]" * 100_000)
+
+
+def _long_integer_config(ckpt: Path) -> None:
+    _raw_json_key(ckpt / "config.json", "1" * 5000)
+
+
+def _deep_index(ckpt: Path) -> None:
+    _raw_json_key(ckpt / "model.safetensors.index.json", "[" * 100_000 + "]" * 100_000)
+
+
 PLAIN_NAME = r"must be the plain name of a file inside the checkpoint directory"
 SAFETENSORS = r"not a readable safetensors file \(Error while deserializing header: "
 CASES: dict[str, tuple[Callable[[Path], None], type[Exception], str]] = {
@@ -329,6 +351,26 @@ CASES: dict[str, tuple[Callable[[Path], None], type[Exception], str]] = {
         _unknown_model,
         NoAdapterError,
         r"config\.json: no installed megamoe adapter handles model_type='llama'",
+    ),
+    "model_type a list": (
+        _model_type_a_list,
+        CheckpointError,
+        r"config\.json: model_type or architectures of the wrong type",
+    ),
+    "config nested 100000 deep": (
+        _deep_config,
+        CheckpointError,
+        r"config\.json: JSON nested too deeply, which no model's config or index is",
+    ),
+    "config integer of 5000 digits": (
+        _long_integer_config,
+        CheckpointError,
+        r"config\.json: JSON holding an integer of thousands of digits",
+    ),
+    "index nested 100000 deep": (
+        _deep_index,
+        CheckpointError,
+        r"index\.json: JSON nested too deeply",
     ),
 }
 

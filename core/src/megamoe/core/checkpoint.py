@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ from megamoe.core.checkpoint_files import (
     REDOWNLOAD,
     SINGLE_FILE,
     CheckpointFiles,
+    unreadable_json,
 )
 from megamoe.core.dense_update import UNQUANTIZED_DTYPES, loads_unquantized
 from megamoe.core.errors import CheckpointError, UnsupportedCheckpointError, format_keys
@@ -99,6 +101,8 @@ def read_config(path: str | Path) -> dict[str, Any]:
         config = json.loads(config_path.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{config_path}: not valid JSON ({err})") from None
+    except (RecursionError, ValueError) as err:
+        raise CheckpointError(f"{config_path}: {unreadable_json(err)}") from None
     except OSError as err:
         raise CheckpointError(f"{config_path}: cannot be read ({err.strerror})") from None
     if not isinstance(config, dict):
@@ -174,6 +178,11 @@ class CheckpointReader:
             kind = CheckpointError if isinstance(err, ValueError) else UnsupportedCheckpointError
             message = str(err).removeprefix(f"{CONFIG_FILE}: ")
             raise kind(f"{self.path / CONFIG_FILE}: {message}") from None
+        except (TypeError, AttributeError, KeyError, re.error) as err:  # a value of a wrong type
+            raise CheckpointError(
+                f"{self.path / CONFIG_FILE}: a value of the wrong type or form "
+                f"({type(err).__name__}: {err}); check the keys against the model's config"
+            ) from None
 
     def _group_names(self) -> dict[str, list[str]]:
         """Names under each expert prefix (routed and shared), relative to it, in one pass."""
@@ -613,5 +622,12 @@ def open_checkpoint(path: str | Path) -> tuple[CheckpointReader, ModelAdapter]:
         UnsupportedCheckpointError: a setting megamoe cannot run (also a
             ``NotImplementedError``).
     """
-    adapter = adapter_for(read_config(path), str(Path(path) / CONFIG_FILE))
+    where = Path(path) / CONFIG_FILE
+    try:
+        adapter = adapter_for(read_config(path), str(where))
+    except (TypeError, AttributeError) as err:  # e.g. a list where model_type is a string
+        raise CheckpointError(
+            f"{where}: model_type or architectures of the wrong type ({err}); expected a "
+            "string and a list of strings"
+        ) from None
     return CheckpointReader(path, adapter), adapter

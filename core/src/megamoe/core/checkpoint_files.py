@@ -77,6 +77,16 @@ def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return seen
 
 
+def unreadable_json(err: RecursionError | ValueError) -> str:
+    """Why a JSON file that parsed into no model's config or index was refused."""
+    what = (
+        "nested too deeply"
+        if isinstance(err, RecursionError)
+        else "holding an integer of thousands of digits"
+    )
+    return f"JSON {what}, which no model's config or index is"
+
+
 class CheckpointFiles:
     """The validated safetensors files of one checkpoint directory.
 
@@ -128,6 +138,8 @@ class CheckpointFiles:
             data = json.loads(index.read_bytes(), object_pairs_hook=_refuse_duplicates)
         except (json.JSONDecodeError, UnicodeDecodeError, CheckpointError) as err:
             raise CheckpointError(f"{index}: not a valid index ({err}); {REDOWNLOAD}") from None
+        except (RecursionError, ValueError) as err:
+            raise CheckpointError(f"{index}: {unreadable_json(err)}; {REDOWNLOAD}") from None
         except OSError as err:
             raise CheckpointError(f"{index}: cannot be read ({err.strerror})") from None
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
