@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import warnings
 from pathlib import Path
 
@@ -86,3 +87,26 @@ def test_converted_checkpoint_loads_to_the_online_kernel_bytes(
     for name in sorted(set(before.weight_map) - expert_names):
         assert _raw_digest(reader, name) == _raw_digest(before, name), f"{name} changed"
         assert reader.weight_map[name] == before.weight_map[name], f"{name} changed shard"
+
+
+@pytest.mark.parametrize("block", [[64, 64], "ab", 5], ids=["64x64", "string", "int"])
+def test_a_weight_block_size_beside_mx_experts_does_not_shape_block_fp8(
+    tmp_path: Path, block: object
+) -> None:
+    """megamoe's block-FP8 is 128x128: the ``weight_block_size`` an MX checkpoint's config
+    carries (unused by MX) shapes neither the converted scales nor what loading expects."""
+    adapter = ADAPTERS["qwen4exp"]
+    src, out = tmp_path / "src", tmp_path / "out"
+    write_synthetic_checkpoint(src, adapter, WeightFormat.MXFP8, SIZES)
+    config_path = src / "config.json"
+    config = json.loads(config_path.read_text())
+    quant = config.get("quantization_config") or config["text_config"]["quantization_config"]
+    quant["weight_block_size"] = block
+    config_path.write_text(json.dumps(config))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        convert_checkpoint(src, out, WeightFormat.FP8_BLOCK, progress=False)
+        online = _kernel_tensors(adapter, CheckpointReader(src, adapter), WeightFormat.FP8_BLOCK)
+        offline = _kernel_tensors(adapter, CheckpointReader(out, adapter), WeightFormat.FP8_BLOCK)
+    for name in online:
+        assert_bitwise_equal(offline[name], online[name], name)

@@ -423,8 +423,9 @@ class ModelAdapter(abc.ABC):
 
         Checked from the safetensors headers before any tensor of the layer is read. The
         default covers the names ``megamoe.core.expert_names`` describes, stored in
-        ``layer.checkpoint_format`` with ``expert_dims(config)`` and the block-FP8
-        ``weight_block_size`` of ``quantization_config``.
+        ``layer.checkpoint_format`` with ``expert_dims(config)``; block-FP8 is 128x128 (the
+        only block ``quant_config`` detects as FP8_BLOCK, whatever the config's
+        ``weight_block_size`` says for other methods).
 
         Args:
             config: the ``config.json``.
@@ -434,10 +435,8 @@ class ModelAdapter(abc.ABC):
         Returns:
             The spec, or None for a name this adapter does not check.
         """
-        quant = quantization_config(config) or {}
-        block = tuple(quant.get("weight_block_size") or BLOCK_FP8_DEFAULT)
         return expert_tensor_spec(
-            layer.checkpoint_format, name, *self.expert_dims(config), (block[0], block[-1])
+            layer.checkpoint_format, name, *self.expert_dims(config), BLOCK_FP8_DEFAULT
         )
 
 

@@ -64,7 +64,6 @@ from megamoe.core.expert_names import (
     weight_kinds,
 )
 from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
-from megamoe.core.hf_config import quantization_config
 
 __all__ = [
     "CONFIG_FILE",
@@ -365,8 +364,7 @@ class CheckpointReader:
                 "quantization_config's ignore list with BF16 weights, or use a checkpoint "
                 "whose shared expert is BF16, block-FP8 or MX"
             )
-        quant = quantization_config(self.config) or {}
-        block = tuple(quant.get("weight_block_size") or BLOCK_FP8_DEFAULT)
+        block = BLOCK_FP8_DEFAULT  # FP8_BLOCK is 128x128 (quant_config detects no other)
         kinds = {*weight_kinds(fmt), *((fmt.scale_name,) if fmt.scale_name else ())}
         pattern = "{gate,up,down}_proj.{" + ",".join(sorted(kinds)) + "}"
         what = f"a {fmt.value} shared expert with (hidden, intermediate) = ({hidden}, {inter})"

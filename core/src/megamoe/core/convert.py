@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -62,7 +61,6 @@ from megamoe.core.expert_names import (
 )
 from megamoe.core.finiteness import check_block_scales, count_nonfinite
 from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
-from megamoe.core.hf_config import quantization_config
 from megamoe.core.mx_codes import UE8M0_DTYPES, as_ue8m0_bytes
 from megamoe.core.quant_config import unmark_converted
 from megamoe.core.shardfile import (
@@ -259,12 +257,6 @@ def _check_dense_finite(reader: CheckpointReader) -> None:
                 )
 
 
-def _block_size(config: Mapping[str, Any]) -> tuple[int, int]:
-    quant_config = quantization_config(config)
-    block = quant_config.get("weight_block_size") if quant_config else None
-    return (int(block[0]), int(block[1])) if block else BLOCK_FP8_DEFAULT
-
-
 def _plan(reader: CheckpointReader, dst: WeightFormat) -> _Plan:
     """Lay out every output file and list the work, from headers only."""
     adapter = reader.adapter
@@ -272,7 +264,7 @@ def _plan(reader: CheckpointReader, dst: WeightFormat) -> _Plan:
         raise ValueError("convert needs a reader opened with an adapter")
     headers = {f: reader.files.entries(f) for f in reader.files.files}  # validated at open
     plan = _Plan(headers, files={f: {} for f in headers})
-    block = _block_size(reader.config)
+    block = BLOCK_FP8_DEFAULT  # megamoe's FP8_BLOCK: 128x128, the only block it detects
     converted: set[str] = set()
 
     def source(name: str, start: int = 0, shape: tuple[int, ...] | None = None) -> _Source:
@@ -398,7 +390,7 @@ def _write(
     reader: CheckpointReader, plan: _Plan, dst: WeightFormat, partial: Path, progress: bool
 ) -> tuple[int, int]:
     """Write every output file; returns (source bytes read, projections converted)."""
-    block = _block_size(reader.config)
+    block = BLOCK_FP8_DEFAULT  # megamoe's FP8_BLOCK: 128x128, the only block it detects
     headers = plan.headers
     total = sum(e.end - e.begin for entries in headers.values() for e in entries.values())
     with contextlib.ExitStack() as stack:
