@@ -586,6 +586,15 @@ def _check_complete(
         missing = [p for p in (FUSED_GATE_UP, FUSED_DOWN) if (None, p) not in present]
     else:
         required = required_kinds(fmt)
+        for (e, proj), kinds in sorted(present.items(), key=lambda kv: str(kv[0])):
+            for names in required:
+                both = sorted(kinds & set(names))
+                if len(both) > 1:
+                    raise CheckpointError(
+                        f"{index}: {prefix}.{e}.{proj} has both {format_keys(both)}, two names "
+                        "for one tensor that loading and the reference could each read "
+                        "differently: keep one of them"
+                    )
         missing = [
             f"{e}.{proj}.{names[0]}"
             for e in experts
