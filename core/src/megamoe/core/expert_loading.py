@@ -125,20 +125,11 @@ class ExpertLoading(abc.ABC):
 
     @contextlib.contextmanager
     def loading(self) -> Iterator[None]:
-        """One load call made of several ``load_weights`` calls (a block's, tensor by tensor).
+        """One load call, however many ``load_weights`` calls it makes (a block's).
 
-        Inside it the non-finite counts are read back once, when it ends (one host sync on
-        a GPU, not one per call), and any error drops the whole pending update.
-        """
-        with self._update_guard():
-            yield
-
-    @contextlib.contextmanager
-    def _update_guard(self) -> Iterator[None]:
-        """Read the non-finite counts when the outermost load call ends; drop the update on error.
-
-        Any error (a bad tensor, non-finite values found at the end) discards the pending
-        update, so the previous weights keep serving.
+        The non-finite counts are read back once, when the outermost ends (one host sync on
+        a GPU), and any error (a bad tensor, non-finite values found at the end) discards
+        the pending update, so the previous weights keep serving.
         """
         self._guard_depth += 1
         try:
@@ -230,7 +221,7 @@ class ExpertLoading(abc.ABC):
             NonFiniteError: the tensor holds NaN or infinity.
         """
         label = self.layout.label
-        with self._update_guard():
+        with self.loading():
             pname = next((n for n, p in self.kernel_params.items() if p is param), None)
             if pname is None:
                 raise ValueError(f"{label}: {name}: param is not a kernel parameter of this module")
@@ -290,7 +281,7 @@ class ExpertLoading(abc.ABC):
                 dtype that does not match.
             NonFiniteError: the tensor holds NaN or infinity.
         """
-        with self._update_guard():
+        with self.loading():
             slots = self.layout.map_global_expert_id(expert_id)
             if not slots:
                 return set()
@@ -314,7 +305,7 @@ class ExpertLoading(abc.ABC):
             ValueError: the module has no fused shared expert, or as ``load_expert_tensor``.
             NonFiniteError: the tensor holds NaN or infinity.
         """
-        with self._update_guard():
+        with self.loading():
             if not self.num_shared_experts:
                 raise ValueError(
                     f"{self.layout.label}: built with num_shared_experts=0; pass "
@@ -353,7 +344,7 @@ class ExpertLoading(abc.ABC):
         """
         kinds = set(checkpoint_kinds(self.checkpoint_format))
         accepted: set[str] = set()
-        with self._update_guard():
+        with self.loading():
             for name, tensor in weights:
                 parsed = parse_expert_name(name)
                 if parsed is None or not (parsed.is_fused or parsed.kind in kinds):

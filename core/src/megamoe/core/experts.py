@@ -206,7 +206,7 @@ class MegaMoEExperts(ExpertLoading, FixedModule):
             MissingExpertsError: names the kernel slots never written (update stays pending),
                 or the shards a failed reload wrote in place that no update rewrote yet.
         """
-        with self._update_guard():
+        with self.loading():
             self._prepare_update()
         self._pairing.check_complete()
         self._run_pairing.check_complete()
