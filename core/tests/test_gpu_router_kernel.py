@@ -8,12 +8,14 @@ Oracles are written here from the rules, in float64 where the rule is arithmetic
 - selection on the kernel's own logits (so a near-tie the GEMM's rounding moves cannot
   flip the comparison): ids exactly, weights within ``WEIGHT_TOL`` of float64.
 
-Also: token counts that leave partial blocks (1, 15, 16, 17, 300, 1024; from 256 the
-logits are torch's GEMM's bits, or with a float32 weight's bf16 parts the sums of one bf16
-GEMM's three products), calls under 16 tokens (selected a few rows at a time)
-against whole blocks, E not a multiple of the 32-expert tile, repeated calls (the tickets
-come back to zero), direct launches equal to the JIT's and keyed per router, CUDA-graph
-replay and ``torch.compile(fullgraph=True)`` equal to eager, and no host sync in a call.
+Also: token counts that leave partial blocks or change the tiling (1, 15, 16, 17, 64,
+255, 300, 1024; from ``matmul_tokens`` the logits are torch's GEMM's bits, or with a
+float32 weight's bf16 parts the sums of one bf16 GEMM's three products), calls under 16
+tokens against whole blocks, E not a multiple of the expert tile, a float32 weight's
+parts given to the kernel against split in its registers (the same bits), repeated calls
+(the tickets come back to zero), direct launches equal to the JIT's and keyed per router,
+CUDA-graph replay and ``torch.compile(fullgraph=True)`` equal to eager, and no host sync
+in a call.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ pytestmark = COMPILED_GPU_MARKS
 
 LOGIT_TOL = 1e-5  # |kernel - float64| / sum_h |x_h w_h|, float32 sums of H products
 WEIGHT_TOL = 2e-6  # absolute, weights in [0, 1] (x routed_scaling_factor): a few float32 ulp
-TOKENS = (1, 15, 16, 17, 300, 1024)
+TOKENS = (1, 15, 16, 17, 64, 255, 300, 1024)
 HIDDEN = 1024
 # name: (score, E, top_k, norm, weight dtype)
 ROUTERS = {
@@ -127,6 +129,23 @@ def test_small_calls_choose_as_whole_blocks_do(kernels, name: str) -> None:
     whole_w, whole_ids = router.select(logits, bias)
     assert_bitwise_equal(alone_ids, whole_ids[:7], "ids of given logits")
     torch.testing.assert_close(alone_w, whole_w[:7], rtol=0, atol=WEIGHT_TOL)
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 17, 63])
+def test_given_weight_parts_equal_the_registers_split(kernels, tokens: int) -> None:
+    """Below ``matmul_tokens`` (64 for E=288) the kernel reads a float32 weight's bf16 parts
+    when given them, instead of splitting each weight tile in registers: the same three
+    products in the same order, so the same bits (one block's last tile selecting alone at
+    1 and 4 tokens, a block's waiting tiles from 17)."""
+    from megamoe.core.router_logits import weight_planes
+
+    router, tickets, weight, bias = _router(kernels, "glm-sigmoid-E288")
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).bfloat16()
+    x = x.cuda()
+    split = router.route(x, weight, tickets, bias)
+    given = router.route(x, weight, tickets, bias, weight_planes(weight))
+    for a, b, what in zip(split, given, ("weights", "ids", "logits"), strict=True):
+        assert_bitwise_equal(b, a, f"{what}, {tokens} tokens")
 
 
 def test_repeated_calls_and_zero_tokens(kernels) -> None:
@@ -228,11 +247,13 @@ def test_routers_of_other_settings_keep_their_own_kernels(kernels) -> None:
                 assert_bitwise_equal(a, b, f"{name} after the other router")
 
 
-@pytest.mark.parametrize("name", ["qwen4exp-E512", "glm-sigmoid-E288"])
+@pytest.mark.parametrize("name", ["qwen4exp-E512", "glm-sigmoid-E288", "qwen-softmax-norm"])
 def test_large_calls_take_torchs_gemm_for_the_logits(kernels, name: str) -> None:
-    """From ``matmul_tokens`` on, the logits are torch's GEMM's bits (bf16 weight: a float32
-    output; float32 weight: widened activations) and the selection is the kernel's."""
+    """From ``matmul_tokens`` on (64 for routers of 256 experts or more, else 256), the
+    logits are torch's GEMM's bits (bf16 weight: a float32 output; float32 weight: widened
+    activations) and the selection is the kernel's."""
     router, tickets, weight, bias = _router(kernels, name)
+    assert router.matmul_tokens == (64 if weight.shape[0] >= 256 else 256)
     x = torch.randn(router.matmul_tokens, HIDDEN, device="cuda").bfloat16()
     weights, ids, logits = router.route(x, weight, tickets, bias)
     if weight.dtype == torch.bfloat16:

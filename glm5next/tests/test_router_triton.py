@@ -126,14 +126,17 @@ def _cuda_router(
 
 
 def test_forward_takes_the_kernel_for_covered_shapes() -> None:
-    """One launch computes the logits and selects on them, as the torch path would on the
-    same logits; the logits are float32 sums of the exact products (vs float64)."""
+    """The forward is the kernel's call with the weight's parts (at 64 tokens, cuBLAS's
+    logits for E=288), and selects on the logits as the torch path would; the logits are
+    float32 sums of the exact products (vs float64)."""
     router, route = _cuda_router(ROUTER_SHAPES["glm5.3-flash"])
     assert router.kernel is not None
     x = torch.randn(64, 512, device="cuda").to(torch.bfloat16)
     bias = router.e_score_correction_bias
     weights, ids = router(x)
-    kernel_w, kernel_ids, logits = router.kernel.route(x, router.weight, router.tickets, bias)
+    kernel_w, kernel_ids, logits = router.kernel.route(
+        x, router.weight, router.tickets, bias, router.weight_planes
+    )
     assert_bitwise_equal(ids, kernel_ids, "forward ids")
     assert_bitwise_equal(weights, kernel_w, "forward weights")
     exact = x.double() @ router.weight.double().t()
@@ -144,14 +147,16 @@ def test_forward_takes_the_kernel_for_covered_shapes() -> None:
     torch.testing.assert_close(weights, torch_w, rtol=0, atol=WEIGHT_TOLERANCE)
 
 
-def test_large_calls_take_the_weight_planes_which_follow_the_weight() -> None:
-    """From 256 tokens the router takes its weight's bf16 parts; they follow a
-    ``weight.copy_()`` on the next call and a ``.data`` write after ``refresh_planes()``."""
+@pytest.mark.parametrize("tokens", [17, 300])
+def test_calls_take_the_weight_planes_which_follow_the_weight(tokens: int) -> None:
+    """The router's kernel takes its weight's bf16 parts (its own tiles under 64 tokens,
+    cuBLAS's GEMM from 64); they follow a ``weight.copy_()`` on the next call and a
+    ``.data`` write after ``refresh_planes()``."""
     from megamoe.core.router_logits import weight_planes
 
     router, _ = _cuda_router(ROUTER_SHAPES["glm5.3-flash"])
     assert router.weight_planes is not None
-    x = torch.randn(300, 512, device="cuda").to(torch.bfloat16)
+    x = torch.randn(tokens, 512, device="cuda").to(torch.bfloat16)
     bias = router.e_score_correction_bias
 
     def fresh() -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,10 +183,12 @@ def test_large_calls_take_the_weight_planes_which_follow_the_weight() -> None:
         assert_bitwise_equal(got_w, want_w, f"weights after the {write} write")
 
 
-def test_routers_that_never_reach_256_tokens_keep_no_planes() -> None:
+def test_routers_that_never_reach_cublas_calls_keep_no_planes() -> None:
+    """GLM-5.3-Flash's 288 experts take cuBLAS's logits from 64 tokens (E >= 256)."""
     shape = ROUTER_SHAPES["glm5.3-flash"]
-    assert _cuda_router(shape, max_num_tokens=255)[0].weight_planes is None
-    assert _cuda_router(shape, max_num_tokens=256)[0].weight_planes is not None
+    assert _cuda_router(shape)[0].kernel.matmul_tokens == 64
+    assert _cuda_router(shape, max_num_tokens=63)[0].weight_planes is None
+    assert _cuda_router(shape, max_num_tokens=64)[0].weight_planes is not None
 
 
 def test_uncovered_shapes_run_the_torch_path() -> None:

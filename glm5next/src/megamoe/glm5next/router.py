@@ -191,16 +191,18 @@ class Glm5NextRouter(torch.nn.Module):
     """The router of one MoE layer; its parameters are named as in the checkpoint.
 
     On CUDA with Triton, for covered shapes (``router_triton.triton_covers``) and bf16
-    activations (what the block passes), ``forward`` is one kernel launch under 256 tokens:
-    the logits GEMM and the selection together; from 256 tokens cuBLAS's logits, then the
+    activations (what the block passes), ``forward`` is one kernel launch under
+    ``kernel.matmul_tokens`` (64 for 256 experts or more, else 256): the logits GEMM and
+    the selection together; from there cuBLAS's logits, then the
     kernel's selection (``megamoe.core.kernels.router_triton``). Elsewhere it is the torch
     path, ``megamoe.core.router_logits`` then :func:`route_logits`.
 
-    Where a forward can carry 256 tokens or more (``max_num_tokens``), the router also keeps
+    Where a forward can carry that many tokens (``max_num_tokens``), the router also keeps
     ``weight_planes``: the float32 weight as three bf16 parts
     (``megamoe.core.router_logits.weight_planes``, (3E, H) bf16, 1.5x the weight's bytes),
-    so those calls take one bf16 tensor-core GEMM
-    instead of widening the activations for a float32 one. The parts follow the weight: the
+    so those calls take one bf16 tensor-core GEMM instead of widening the activations for a
+    float32 one; smaller calls' kernel tiles read them too (the same bits as splitting the
+    weight in registers, a few us faster from 64 tokens). The parts follow the weight: the
     block's ``finalize()`` rebuilds them (:meth:`refresh_planes`), and an eager call does
     when the weight was written in place since (its version counter: ``weight.copy_()``).
     A write through ``weight.data``, which bumps no version, needs ``refresh_planes()``.

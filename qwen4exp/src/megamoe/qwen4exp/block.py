@@ -150,7 +150,8 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
         without it, softmax over all experts in float32, then top-k.
 
         On CUDA with Triton (E <= 512, top-k <= 16) all of it is one kernel launch under
-        256 tokens, cuBLAS's logits and the kernel's selection from 256 on
+        ``matmul_tokens`` (64 for 256 experts or more, else 256), cuBLAS's logits and the
+        kernel's selection from there
         (``megamoe.core.kernels.router_triton``, softmax scoring: the same rule, its own
         float32 summation order and ``exp``); elsewhere four torch operations.
         """

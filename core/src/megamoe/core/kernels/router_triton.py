@@ -5,30 +5,35 @@ machine), so a router written as torch operations (cast, GEMM, softmax or sigmoi
 renormalization, cast) costs far more than its GPU work. :class:`TritonRouter` runs it as
 one launch:
 
-1. Every program multiplies a (16 tokens x ``BLOCK_E`` experts) tile of logits over the
-   hidden size on tensor cores, summing in float32, and stores it. Calls with few tokens
-   make few such programs, so the hidden size is split too (about 256 programs share the
-   weight's read); then each split stores partial sums, which the last program adds in
-   split order: deterministic for a given token count. A float32 weight (GLM's) is split in
-   registers into three bf16 parts (``hi + mid + lo``, the weight to 2^-24 relative)
-   whose products with the bf16 input are exact, so the logits are as accurate as a
-   float32 GEMM's.
-2. Programs count themselves off on a per-token-block ticket (an int32 atomic, release and
-   acquire); the last program of a token block resets its ticket to 0 (so the next call,
-   and every CUDA-graph replay, starts from zero), adds the splits, and selects the
-   experts of its 16 tokens from the finished logits rows.
+1. Every program multiplies a (16 tokens x ``BLOCK_E`` experts, or 16 x 64 from 64
+   tokens) tile of logits over the hidden size on tensor cores, summing in float32, and
+   stores it. Calls with few tokens make few such tiles, so the hidden size is split too
+   (about 256 tiles share the weight's read); then each split stores partial sums. A
+   float32 weight (GLM's) is split into three bf16 parts (``hi + mid + lo``, the weight to
+   2^-24 relative), in registers or given (``router_logits.weight_planes``, kept by the
+   GLM router), whose products with the bf16 input are exact, so the logits are as
+   accurate as a float32 GEMM's.
+2. Programs take their tiles in the order they start (an atomic counter), token block by
+   token block, and count themselves in on their block's ticket (release). Up to 16 of a
+   block's programs then wait for its ticket to be full (acquire) and select the block's
+   rows between them, one row at a time for routers of 128 experts or more, after adding
+   the splits in split order (deterministic for a given token count). Only the newest
+   block's programs can wait on tiles not yet started, so the launch never needs more
+   than 17 programs resident at once. The last program to finish sets every ticket back
+   to zero for the next call and every CUDA-graph replay. An earlier version let the last
+   program of a block select all its rows alone: 2-4x the GPU time for E >= 256 at 16-128
+   tokens on the H200 (docs/gpu.md).
 
 Calls of ``MATMUL_TOKENS`` (256) tokens or more take torch's GEMM (cuBLAS) for the
-logits and launch the selection alone: 16-token tiles read the weight once per 16 tokens,
-and at 1024 tokens the fused kernel took 2.4x (GLM) to 7.5x (Qwen4-Exp) cuBLAS's GPU time
-on the H200. A float32 weight given with its three bf16 parts
-(``router_logits.weight_planes``, kept by its router) takes one bf16 tensor-core GEMM
-against them, whose three products the selection adds, instead of a float32 GEMM of
-widened activations. After a variant's first call the launch skips Triton's JIT
-(``kernels.launch.KernelLaunch``): 47 instead of 89 us of host time per call there.
+logits and launch the selection alone (one program per row, or per 4 rows of a 64-expert
+router): there the kernel's tiles took 1.1-2.7x the GPU time on the H200. A float32 weight
+given with its three bf16 parts takes one bf16 tensor-core GEMM against them, whose three
+products the selection adds, instead of a float32 GEMM of widened activations. After a
+variant's first call the launch skips Triton's JIT (``kernels.launch.KernelLaunch``): 47
+instead of 89 us of host time per call there.
 
-Selection (:func:`select_experts`, the 16 tokens of a block at once, each token's row a
-(groups x experts per group) tile in registers) has two scorings:
+Selection (:func:`select_experts`, a few rows at once, each token's row a (groups x
+experts per group) tile in registers) has two scorings:
 
 - ``SCORE_SOFTMAX`` (Qwen-style): the top-k logits; weights ``softmax`` of the chosen
   logits when renormalizing, else the chosen experts' softmax probabilities over all.
@@ -73,6 +78,7 @@ __all__ = [
     "LaunchShape",
     "TritonRouter",
     "covers",
+    "matmul_tokens_for",
     "ticket_buffer",
 ]
 
@@ -82,13 +88,18 @@ NORM_EPS = 1e-20  # the sigmoid scoring's renormalization epsilon (DeepSeek-V3, 
 MAX_EXPERTS = 512  # the largest router a token's row holds in registers (Qwen4-Exp's E)
 MAX_TOP_K = 16
 MAX_GROUPS = 16
-BLOCK_T = 16  # tokens per program: the smallest tl.dot tile
+BLOCK_T = 16  # tokens per program at least: the smallest tl.dot tile (and a ticket's block)
 BLOCK_E = 32  # experts per program
 SPLIT_PROGRAMS = 256  # about two programs per SM of an H100/H200 (132 SMs)
 MAX_SPLITS = 16  # hidden-size splits at most (their partial sums cost a pass each)
+COUNTERS = 2  # the tickets' first entries: tiles started, programs finished
+MAX_WAITERS = 16  # programs of a token block that wait for its sums and select its rows
+SELECT_ENTRIES = 256  # a selection step's tile at most: rows times a token's entries
 _KEY_NAN = tl.constexpr(0x7FFFFFFF)  # int32 key of every NaN: above +inf's 0x7F800000
 _LOW_MAX = tl.constexpr(0x7FFFFFFF)  # a packed key's low word: index ^ _LOW_MAX
 _MASKED = tl.constexpr(-(2**63))  # packed key of a padded, excluded or chosen entry
+_COUNTERS = tl.constexpr(COUNTERS)
+_MAX_WAITERS = tl.constexpr(MAX_WAITERS)
 _NORM_EPS = tl.constexpr(NORM_EPS)
 _WEIGHT_DTYPES = (torch.bfloat16, torch.float32)  # bf16: one product; float32: three
 
@@ -268,6 +279,43 @@ def _add_planes(
     tl.debug_barrier()  # the selection reads these rows back
 
 
+@triton.jit
+def _select_rows(
+    logits_ptr: tl.tensor,
+    bias_ptr: tl.tensor,
+    weights_ptr: tl.tensor,
+    ids_ptr: tl.tensor,
+    partial_ptr: tl.tensor,
+    first: tl.tensor,
+    num_tokens: tl.tensor,
+    splits: tl.tensor,
+    SPLIT_K: tl.constexpr,
+    SCALE: tl.constexpr,
+    SCORE: tl.constexpr,
+    PER_GROUP: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    TOP_K: tl.constexpr,
+    NORM_TOPK_PROB: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SEL_ROWS: tl.constexpr,
+    E_PAD: tl.constexpr,
+) -> None:
+    """Rows ``first .. + SEL_ROWS`` (those below ``num_tokens``): splits added, then selected."""
+    num_experts: tl.constexpr = N_GROUP * PER_GROUP
+    if first < num_tokens:
+        if SPLIT_K:
+            _add_splits(partial_ptr, logits_ptr, first, num_tokens, splits, num_experts,
+                        E_PAD, SEL_ROWS)  # fmt: skip
+        select_experts(
+            logits_ptr, num_experts, bias_ptr, weights_ptr, ids_ptr, first, num_tokens,
+            SCALE, SCORE, PER_GROUP, N_GROUP, TOPK_GROUP, TOP_K, NORM_TOPK_PROB,
+            BLOCK_G, BLOCK_J, BLOCK_K, SEL_ROWS,
+        )  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["num_tokens", "split_size"])
 def _route_kernel(
     x_ptr: tl.tensor,
@@ -284,6 +332,7 @@ def _route_kernel(
     GIVEN_LOGITS: tl.constexpr,
     GIVEN_PLANES: tl.constexpr,
     SPLIT_FP32: tl.constexpr,
+    WEIGHT_PLANES: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
     SCORE: tl.constexpr,
@@ -301,28 +350,51 @@ def _route_kernel(
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
 ) -> None:
-    """One (ROWS x COLS) tile of a hidden-size split's logits, then maybe the selection.
+    """One (ROWS x COLS) tile of a hidden-size split's logits, then a share of the selection.
 
-    Program (block, column tile, split) sums hidden indices ``split * split_size`` up to
-    the next split's. With ``SPLIT_K`` it stores them as partial sums (``partial_ptr``,
-    (splits, T, E)), which the token block's last program adds in split order
-    (deterministic) into the logits; without, straight into the logits (``partial_ptr``
-    is then unused: never an alias of a written argument, which ``torch.compile`` would
-    clone apart). The block's last program then selects the experts of its ROWS tokens,
-    SEL_ROWS at a time (skipping rows past the last token). ``GIVEN_LOGITS`` skips the
-    GEMM (one program per block, selection only); with ``GIVEN_PLANES`` > 1 the given
-    products are the (T, GIVEN_PLANES * E) ``partial_ptr``, added into the logits first
-    (``_add_planes``). Inputs are contiguous.
+    Programs take their tile in the order they start (the dispatch counter, ticket 0), block
+    by block: tile ``d`` is token block ``d // P``, column tile and split within it, P the
+    block's tiles. A tile sums hidden indices ``split * split_size`` up to the next split's,
+    from the bf16 weight, a float32 one split in registers (``SPLIT_FP32``) or its bf16
+    parts (``WEIGHT_PLANES``: ``w_ptr`` is (3E, H), hi, mid, lo; the same products). With
+    ``SPLIT_K`` it stores partial sums (``partial_ptr``, (splits, T, E)), else the logits
+    (``partial_ptr`` is then unused: never an alias of a written argument, which
+    ``torch.compile`` would clone apart). Then it counts itself in on its block's ticket.
+
+    The block's first ``min(P, MAX_WAITERS)`` tiles then wait for the ticket to reach P and
+    select the block's rows, SEL_ROWS at a time, taking row groups in turn (adding the splits in
+    split order first: deterministic for a given token count). Only the newest block's
+    tiles can wait on tiles not yet started, and at most ``MAX_WAITERS`` of them, so the
+    launch needs that many programs resident at once. The last program to finish (ticket
+    1) sets every ticket back to zero for the next call and every CUDA-graph replay.
+
+    ``GIVEN_LOGITS`` skips the GEMM: program p selects rows ``p * ROWS ..`` (ROWS ==
+    SEL_ROWS); with ``GIVEN_PLANES`` > 1 the given products are the (T, GIVEN_PLANES * E)
+    ``partial_ptr``, added into the logits first (``_add_planes``). Inputs are contiguous.
     """
     num_experts: tl.constexpr = N_GROUP * PER_GROUP
-    block = tl.program_id(0)
-    splits = tl.num_programs(2)
-    last = True
-    if not GIVEN_LOGITS:
+    if GIVEN_LOGITS:
+        first = tl.program_id(0) * ROWS
+        if GIVEN_PLANES > 1:
+            _add_planes(partial_ptr, logits_ptr, first, num_tokens, GIVEN_PLANES,
+                        num_experts, E_PAD, ROWS)  # fmt: skip
+        select_experts(
+            logits_ptr, num_experts, bias_ptr, weights_ptr, ids_ptr, first, num_tokens,
+            SCALE, SCORE, PER_GROUP, N_GROUP, TOPK_GROUP, TOP_K, NORM_TOPK_PROB,
+            BLOCK_G, BLOCK_J, BLOCK_K, ROWS,
+        )  # fmt: skip
+    else:
+        column_tiles: tl.constexpr = (num_experts + COLS - 1) // COLS
+        splits = tl.cdiv(HIDDEN, split_size)
+        per_block = column_tiles * splits
+        tile_id = tl.atomic_add(tickets_ptr, 1, sem="relaxed")
+        block = tile_id // per_block
+        within = tile_id % per_block
         rows = block * ROWS + tl.arange(0, ROWS)
-        cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
+        cols = (within // splits) * COLS + tl.arange(0, COLS)
+        split = within % splits
         row_ok, col_ok = rows < num_tokens, cols < num_experts
-        h_begin = tl.program_id(2) * split_size
+        h_begin = split * split_size
         h_end = tl.minimum(h_begin + split_size, HIDDEN)
         acc = tl.zeros([ROWS, COLS], dtype=tl.float32)
         for h0 in range(h_begin, h_end, BLOCK_H):
@@ -333,62 +405,78 @@ def _route_kernel(
                 mask=row_ok[:, None] & h_ok[None, :],
                 other=0.0,
             )
-            w = tl.load(
-                w_ptr + cols[:, None] * HIDDEN + hs[None, :],
-                mask=col_ok[:, None] & h_ok[None, :],
-                other=0.0,
-            )
-            if SPLIT_FP32:
-                # w = hi + mid + lo, three bf16 parts (to 2^-24 relative): bf16 x times
-                # each is exact in float32, so three tensor-core products sum to x * w.
-                hi = w.to(tl.bfloat16)
-                rest = w - hi.to(tl.float32)
-                mid = rest.to(tl.bfloat16)
-                lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
-                acc = tl.dot(x, tl.trans(hi), acc)
-                acc = tl.dot(x, tl.trans(mid), acc)
-                acc = tl.dot(x, tl.trans(lo), acc)
+            w_mask = col_ok[:, None] & h_ok[None, :]
+            if WEIGHT_PLANES:
+                for part in tl.static_range(3):
+                    w = tl.load(
+                        w_ptr + (part * num_experts + cols)[:, None] * HIDDEN + hs[None, :],
+                        mask=w_mask,
+                        other=0.0,
+                    )
+                    acc = tl.dot(x, tl.trans(w), acc)
             else:
-                acc = tl.dot(x, tl.trans(w), acc)
+                w = tl.load(w_ptr + cols[:, None] * HIDDEN + hs[None, :], mask=w_mask, other=0.0)
+                if SPLIT_FP32:
+                    # w = hi + mid + lo, three bf16 parts (to 2^-24 relative): bf16 x times
+                    # each is exact in float32, so three tensor-core products sum to x * w.
+                    hi = w.to(tl.bfloat16)
+                    rest = w - hi.to(tl.float32)
+                    mid = rest.to(tl.bfloat16)
+                    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+                    acc = tl.dot(x, tl.trans(hi), acc)
+                    acc = tl.dot(x, tl.trans(mid), acc)
+                    acc = tl.dot(x, tl.trans(lo), acc)
+                else:
+                    acc = tl.dot(x, tl.trans(w), acc)
         tile = rows[:, None].to(tl.int64) * num_experts + cols[None, :]
         tile_ok = row_ok[:, None] & col_ok[None, :]
         if SPLIT_K:
-            plane = tl.program_id(2).to(tl.int64) * num_tokens * num_experts
+            plane = split.to(tl.int64) * num_tokens * num_experts
             tl.store(partial_ptr + plane + tile, acc, mask=tile_ok)
         else:
             tl.store(logits_ptr + tile, acc, mask=tile_ok)
         tl.debug_barrier()  # every thread's sums are written before the ticket is taken
-        ticket = tl.atomic_add(tickets_ptr + block, 1, sem="acq_rel")
-        last = ticket == tl.num_programs(1) * splits - 1
-        if last:
-            tl.atomic_xchg(tickets_ptr + block, 0)
-    if last:
-        for r in tl.static_range(0, ROWS, SEL_ROWS):
-            first = block * ROWS + r
-            if first < num_tokens:
-                if SPLIT_K:
-                    _add_splits(partial_ptr, logits_ptr, first, num_tokens, splits,
-                                num_experts, E_PAD, SEL_ROWS)  # fmt: skip
-                if GIVEN_PLANES > 1:
-                    _add_planes(partial_ptr, logits_ptr, first, num_tokens, GIVEN_PLANES,
-                                num_experts, E_PAD, SEL_ROWS)  # fmt: skip
-                select_experts(
-                    logits_ptr, num_experts, bias_ptr, weights_ptr, ids_ptr, first, num_tokens,
-                    SCALE, SCORE, PER_GROUP, N_GROUP, TOPK_GROUP, TOP_K, NORM_TOPK_PROB,
-                    BLOCK_G, BLOCK_J, BLOCK_K, SEL_ROWS,
-                )  # fmt: skip
+        block_ticket = tickets_ptr + _COUNTERS + block
+        groups: tl.constexpr = ROWS // SEL_ROWS
+        tl.atomic_add(block_ticket, 1, sem="release")
+        block_first = block * ROWS
+        waiters = tl.minimum(per_block, _MAX_WAITERS)
+        selects = (within < waiters) & (within < groups)
+        if selects & (block_first + within * SEL_ROWS < num_tokens):
+            arrived = tl.atomic_add(block_ticket, 0, sem="acquire")
+            while arrived < per_block:
+                arrived = tl.atomic_add(block_ticket, 0, sem="acquire")
+            tl.debug_barrier()  # no thread reads the block's sums before the wait ends
+            for group in range(within, groups, waiters):
+                _select_rows(logits_ptr, bias_ptr, weights_ptr, ids_ptr, partial_ptr,
+                             block_first + group * SEL_ROWS, num_tokens, splits, SPLIT_K,
+                             SCALE, SCORE, PER_GROUP, N_GROUP, TOPK_GROUP, TOP_K,
+                             NORM_TOPK_PROB, BLOCK_G, BLOCK_J, BLOCK_K, SEL_ROWS,
+                             E_PAD)  # fmt: skip
+        finished = tl.atomic_add(tickets_ptr + 1, 1, sem="acq_rel")
+        if finished == tl.num_programs(0) - 1:
+            used = _COUNTERS + tl.cdiv(num_tokens, ROWS)
+            for at in range(0, used, 128):
+                index = at + tl.arange(0, 128)
+                tl.store(tickets_ptr + index, 0, mask=index < used)
 
 
 _launch = KernelLaunch(_route_kernel, runtime_args=10)
 
 
+def matmul_tokens_for(num_experts: int) -> int:
+    """From how many tokens a router of ``num_experts`` takes cuBLAS's logits."""
+    return LARGE_MATMUL_TOKENS if num_experts >= LARGE_ROUTER else MATMUL_TOKENS
+
+
 def ticket_buffer(max_num_tokens: int, device: torch.device | str | None) -> torch.Tensor:
     """The zeroed int32 tickets a router's calls of up to ``max_num_tokens`` tokens use.
 
-    Every launch leaves them zero again. One call at a time per buffer (one stream).
+    Two counters, then one ticket per 16-token block. Every launch leaves them zero again.
+    One call at a time per buffer (one stream).
     """
     blocks = triton.cdiv(max(max_num_tokens, 1), BLOCK_T)
-    return torch.zeros(blocks, dtype=torch.int32, device=device)
+    return torch.zeros(COUNTERS + blocks, dtype=torch.int32, device=device)
 
 
 @dataclass(frozen=True)
@@ -397,15 +485,15 @@ class LaunchShape:
 
     Attributes:
         min_tokens: the smallest call this shape serves.
-        rows: tokens per program (its GEMM tile's rows, and its ticket's block).
-        cols: experts per program.
-        block_h: hidden indices per step with a bf16 weight (a float32 one takes half).
+        rows: tokens per GEMM tile (a multiple of 16), and per ticket's token block.
+        cols: experts per GEMM tile.
+        block_h: hidden indices per step with a bf16 weight (a float32 one, or its parts,
+            take half).
         programs: the hidden size is split (up to ``MAX_SPLITS``) until about this many
-            programs share the weight's read.
-        select_entries: the selection tile's size at most, rows times a token's entries
-            (one row at least, 16 at most).
-        num_warps: the launch's warps; None: 8 where the selection tile holds more than
-            2048 entries, else 4.
+            tiles share the weight's read.
+        select_entries: a selection step's tile at most, rows times a token's entries
+            (one row at least).
+        num_warps: the launch's warps.
     """
 
     min_tokens: int
@@ -413,18 +501,24 @@ class LaunchShape:
     cols: int = BLOCK_E
     block_h: int = 128
     programs: int = SPLIT_PROGRAMS
-    select_entries: int = 2048
-    num_warps: int | None = None
+    select_entries: int = SELECT_ENTRIES
+    num_warps: int = 4
 
 
-# Few tokens: a few rows selected at a time, so one token pays for no padded rows; whole
-# 16-token blocks: one block's rows at once.
-LAUNCH_SHAPES = (LaunchShape(1), LaunchShape(BLOCK_T, select_entries=BLOCK_T * MAX_EXPERTS))
-# From this many tokens a call takes torch's GEMM (cuBLAS) for the logits and the kernel for
-# the selection alone: 16-token tiles read the weight once per 16 tokens, and on the H200
-# the fused kernel took 2.4-7.5x the GPU time of cuBLAS's GEMM alone at 256-1024 tokens
-# (docs/gpu.md); there the second launch costs less than it saves.
+# Under 64 tokens 32-expert tiles, from 64 on 64-expert ones: the faster on the H200 for
+# the routers of bench_router.py (docs/gpu.md).
+LAUNCH_SHAPES = (LaunchShape(1), LaunchShape(64, cols=64))
+# From this many tokens a call takes torch's GEMM (cuBLAS) for the logits and launches the
+# selection alone; from 64 for routers of 256 experts or more, whose weight the kernel's
+# 16-token tiles read once per 16 tokens. On the H200 the kernel took 1.1-2.7x the GPU time
+# of cuBLAS's GEMM and the selection there at 256 tokens (E=64), and 1.8-7x at 64-255
+# tokens for E >= 256 (docs/gpu.md): more than the second launch's host time.
 MATMUL_TOKENS = 256
+LARGE_ROUTER = 256  # experts
+LARGE_MATMUL_TOKENS = 64
+# How a launch reads the router weight: bf16 (one product), float32 split into three bf16
+# parts in registers, or those parts given (``router_logits.weight_planes``, (3E, H)).
+WEIGHT_BF16, WEIGHT_FP32, WEIGHT_PLANES = 0, 1, 2
 
 
 class _Plan(NamedTuple):
@@ -432,6 +526,7 @@ class _Plan(NamedTuple):
 
     grid: tuple[int, int, int]
     split_size: int
+    splits: int
     rows: int
     constexprs: tuple[Any, ...]
     num_warps: int
@@ -462,7 +557,8 @@ class TritonRouter:
         routed_scaling_factor: weight multiplier (``SCORE_SIGMOID``).
         shapes: the launch shapes by call size (``LAUNCH_SHAPES``; benchmarks try others).
         matmul_tokens: calls of this many tokens or more compute the logits with torch's
-            GEMM, then launch the selection alone (``MATMUL_TOKENS``).
+            GEMM, then launch the selection alone (``matmul_tokens_for(num_experts)``
+            where ``kernels.one_launch_router`` builds it).
 
     Raises:
         ValueError: settings :func:`covers` rejects, an unknown scoring, or launch shapes
@@ -478,10 +574,10 @@ class TritonRouter:
     routed_scaling_factor: float = 1.0
     shapes: tuple[LaunchShape, ...] = LAUNCH_SHAPES
     matmul_tokens: int = MATMUL_TOKENS
-    _plans: dict[tuple[int, int, bool, int], _Plan] = field(
+    _plans: dict[tuple[int, int, int, int], _Plan] = field(
         init=False, repr=False, compare=False, default_factory=dict
     )
-    _shared_plans: dict[tuple[LaunchShape, int, int, bool, int], _Plan] = field(
+    _shared_plans: dict[tuple[LaunchShape, int, int, int, int], _Plan] = field(
         init=False, repr=False, compare=False, default_factory=dict
     )
 
@@ -509,37 +605,41 @@ class TritonRouter:
                 chosen = shape
         return chosen
 
-    def _plan(self, tokens: int, hidden: int, fp32: bool, given: int) -> _Plan:
+    def _plan(self, tokens: int, hidden: int, weight: int, given: int) -> _Plan:
         """The launch of a call: its shape, hidden-size splits and constants.
 
-        ``given``: 0 for the kernel's own GEMM; else the selection alone, on logits given as
-        that many planes of products (1: the logits themselves). The selection alone is
-        planned by the caller for at most 16 tokens: its programs are token blocks, and
-        larger blocks would only select more serially.
+        ``weight``: ``WEIGHT_BF16``, ``WEIGHT_FP32`` or ``WEIGHT_PLANES``. ``given``: 0 for
+        the kernel's own GEMM; else the selection alone, on logits given as that many
+        planes of products (1: the logits themselves), planned for 1 token (its programs
+        are one selection step's rows each; the caller sizes the grid).
         """
         shape = self._shape(tokens)
         per_group = self.num_experts // self.n_group
         block_g, block_j = triton.next_power_of_2(self.n_group), triton.next_power_of_2(per_group)
         entries = block_g * block_j  # one token's selection entries
-        sel_rows = max(1, min(BLOCK_T, shape.rows, shape.select_entries // entries))
-        blocks = triton.cdiv(tokens, shape.rows)
-        block_h = shape.block_h // 2 if fp32 else shape.block_h
+        sel_rows = max(1, min(shape.rows, shape.select_entries // entries))
+        block_h = shape.block_h if weight == WEIGHT_BF16 else shape.block_h // 2
         if given:
-            grid, split_size, hidden, block_h = (blocks, 1, 1), 0, 1, 16
+            rows, splits, split_size, hidden, block_h = sel_rows, 1, 0, 1, 16
+            grid = (1, 1, 1)  # the caller's: one program per ``rows`` tokens
         else:
-            # Few programs: split the hidden size too, so that about ``shape.programs``
-            # programs share the weight's read.
+            # Few tiles: split the hidden size too, so that about ``shape.programs`` tiles
+            # share the weight's read.
+            rows = shape.rows
+            blocks = triton.cdiv(tokens, rows)
             column_tiles = triton.cdiv(self.num_experts, shape.cols)
             chunks = triton.cdiv(hidden, block_h)
             wanted = max(1, min(MAX_SPLITS, shape.programs // (blocks * column_tiles), chunks))
             split_size = triton.cdiv(chunks, wanted) * block_h
-            grid = (blocks, column_tiles, triton.cdiv(hidden, split_size))
-        split_k = grid[2] > 1
+            splits = triton.cdiv(hidden, split_size)
+            grid = (blocks * column_tiles * splits, 1, 1)
+        split_k = splits > 1
         values = {
             "HIDDEN": hidden,
             "GIVEN_LOGITS": given > 0,
             "GIVEN_PLANES": given,
-            "SPLIT_FP32": fp32,
+            "SPLIT_FP32": weight == WEIGHT_FP32,
+            "WEIGHT_PLANES": weight == WEIGHT_PLANES,
             "SPLIT_K": split_k,
             "BLOCK_H": block_h,
             "SCORE": self.score,
@@ -554,28 +654,28 @@ class TritonRouter:
             "BLOCK_K": triton.next_power_of_2(self.top_k),
             "SEL_ROWS": sel_rows,
             "E_PAD": triton.next_power_of_2(self.num_experts),
-            "ROWS": shape.rows,
+            "ROWS": rows,
             "COLS": shape.cols,
         }
         constexprs = _launch.constexprs(values)
-        warps = shape.num_warps or (8 if sel_rows * entries > 2048 else 4)
-        return _Plan(grid, split_size, shape.rows, constexprs, warps, (*constexprs, warps))
+        warps = shape.num_warps
+        return _Plan(grid, split_size, splits, rows, constexprs, warps, (*constexprs, warps))
 
-    def _cached_plan(self, tokens: int, hidden: int, fp32: bool, given: int) -> _Plan:
+    def _cached_plan(self, tokens: int, hidden: int, weight: int, given: int) -> _Plan:
         """:meth:`_plan`, kept in eager mode (dynamo traces it instead).
 
         Looked up by call size first. A plan depends on the call size only through its
         launch shape and token blocks, so call sizes share one plan per (shape, blocks).
         Fused calls are below ``matmul_tokens`` and the selection alone is planned for
-        ``min(T, 16)`` tokens (its grid is the caller's), so both caches stay small.
+        1 token (its grid is the caller's), so both caches stay small.
         """
         if torch.compiler.is_compiling():
-            return self._plan(tokens, hidden, fp32, given)
-        by_size = (tokens, hidden, fp32, given)
+            return self._plan(tokens, hidden, weight, given)
+        by_size = (tokens, hidden, weight, given)
         plan = self._plans.get(by_size)
         if plan is None:
             shape = self._shape(tokens)
-            by_blocks = (shape, triton.cdiv(tokens, shape.rows), hidden, fp32, given)
+            by_blocks = (shape, triton.cdiv(tokens, shape.rows), hidden, weight, given)
             plan = self._shared_plans.get(by_blocks)
             if plan is None:
                 plan = self._shared_plans[by_blocks] = self._plan(*by_size)
@@ -598,7 +698,9 @@ class TritonRouter:
                 three, of its exact bf16 parts).
             tickets: :func:`ticket_buffer` for at least T tokens (used by one call at a time).
             bias: (E,) float32 selection bias (``SCORE_SIGMOID``), else None.
-            planes: ``router_logits.weight_planes`` of a float32 ``weight``, or None.
+            planes: ``router_logits.weight_planes`` of a float32 ``weight``, or None. The
+                kernel's tiles read them instead of splitting the weight in registers (the
+                same products and sums, so the same bits).
 
         Calls of ``matmul_tokens`` tokens or more take torch's GEMM for the logits (exact
         products, float32 sums, like the kernel's) and launch the selection alone. With
@@ -628,19 +730,21 @@ class TritonRouter:
             )
         hidden_states = hidden_states.contiguous()
         tokens, hidden = hidden_states.shape
-        if tokens > tickets.shape[0] * BLOCK_T:
+        serves = (tickets.shape[0] - COUNTERS) * BLOCK_T
+        if tokens > serves:
             raise ValueError(
-                f"router (triton): {tokens} tokens exceed the {tickets.shape[0] * BLOCK_T} its "
-                "ticket buffer serves; build the layer with a larger max_num_tokens"
+                f"router (triton): {tokens} tokens exceed the {serves} its ticket buffer "
+                "serves; build the layer with a larger max_num_tokens"
+            )
+        use_planes = planes is not None and weight.dtype == torch.float32
+        if use_planes and planes.shape != (PLANES * self.num_experts, hidden):
+            raise ValueError(
+                f"router (triton): weight planes {tuple(planes.shape)}; expected "
+                f"({PLANES * self.num_experts}, {hidden}), the weight's three bf16 "
+                "parts (router_logits.weight_planes)"
             )
         if tokens >= self.matmul_tokens:
-            if planes is not None and weight.dtype == torch.float32:
-                if planes.shape != (PLANES * self.num_experts, hidden):
-                    raise ValueError(
-                        f"router (triton): weight planes {tuple(planes.shape)}; expected "
-                        f"({PLANES * self.num_experts}, {hidden}), the weight's three bf16 "
-                        "parts (router_logits.weight_planes)"
-                    )
+            if use_planes:
                 stacked = torch.mm(hidden_states, planes.t(), out_dtype=torch.float32)
                 logits = stacked.new_empty((tokens, self.num_experts))
                 return (*self._select(stacked, bias, PLANES, logits), logits)
@@ -652,16 +756,19 @@ class TritonRouter:
         ids = torch.empty((tokens, self.top_k), dtype=torch.int32, device=device)
         if tokens == 0:
             return weights, ids, logits
-        plan = self._cached_plan(tokens, hidden, weight.dtype == torch.float32, 0)
-        grid = plan.grid
-        if grid[2] > 1:
-            partial = torch.empty((grid[2], tokens, self.num_experts), dtype=torch.float32,
+        if use_planes:
+            kind, weight = WEIGHT_PLANES, planes
+        else:
+            kind = WEIGHT_FP32 if weight.dtype == torch.float32 else WEIGHT_BF16
+        plan = self._cached_plan(tokens, hidden, kind, 0)
+        if plan.splits > 1:
+            partial = torch.empty((plan.splits, tokens, self.num_experts), dtype=torch.float32,
                                   device=device)  # fmt: skip
         else:
             partial = hidden_states  # unused (see _route_kernel)
         bias_or_weight = weight if bias is None else bias
         _launch(
-            _variant(plan, hidden_states, weight, bias_or_weight), grid, device.index,
+            _variant(plan, hidden_states, weight, bias_or_weight), plan.grid, device.index,
             (hidden_states, weight, bias_or_weight, logits, weights, ids, tickets, partial,
              tokens, plan.split_size),
             plan.constexprs, plan.num_warps,
@@ -708,7 +815,7 @@ class TritonRouter:
         ids = torch.empty((tokens, self.top_k), dtype=torch.int32, device=given.device)
         if tokens == 0:
             return weights, ids
-        plan = self._cached_plan(min(tokens, BLOCK_T), 1, False, planes)
+        plan = self._cached_plan(1, 1, WEIGHT_BF16, planes)
         grid = (triton.cdiv(tokens, plan.rows), 1, 1)
         out = given if logits is None else logits
         bias_or_logits = given if bias is None else bias  # never an alias of ``out``
