@@ -9,8 +9,9 @@ launch time included, as an engine's eager prefill sees it):
   ``x.float() @ W^T`` on its float32 weight, Qwen's bf16 ``torch.mm(out_dtype=float32)``);
 - ``torch``: the whole router on the torch path;
 - ``triton``: the whole router as the blocks call it on CUDA
-  (``megamoe.core.kernels.router_triton``): under 256 tokens one launch computing the
-  logits and the selection, from 256 cuBLAS's logits and the selection's launch;
+  (``megamoe.core.kernels.router_triton``): under ``matmul_tokens`` (64 for E >= 256,
+  else 256) one launch computing the logits and the selection, from there cuBLAS's
+  logits and the selection's launch;
 - ``kernel``: the Triton selection alone, on given logits;
 - ``graphed``: a CUDA graph of ``triton``, replayed (no host time), beside graphs of the
   matmul alone (``mm graphed``) and of the torch path (``torch graphed``): GPU time;

@@ -279,43 +279,6 @@ def _add_planes(
     tl.debug_barrier()  # the selection reads these rows back
 
 
-@triton.jit
-def _select_rows(
-    logits_ptr: tl.tensor,
-    bias_ptr: tl.tensor,
-    weights_ptr: tl.tensor,
-    ids_ptr: tl.tensor,
-    partial_ptr: tl.tensor,
-    first: tl.tensor,
-    num_tokens: tl.tensor,
-    splits: tl.tensor,
-    SPLIT_K: tl.constexpr,
-    SCALE: tl.constexpr,
-    SCORE: tl.constexpr,
-    PER_GROUP: tl.constexpr,
-    N_GROUP: tl.constexpr,
-    TOPK_GROUP: tl.constexpr,
-    TOP_K: tl.constexpr,
-    NORM_TOPK_PROB: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_J: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SEL_ROWS: tl.constexpr,
-    E_PAD: tl.constexpr,
-) -> None:
-    """Rows ``first .. + SEL_ROWS`` (those below ``num_tokens``): splits added, then selected."""
-    num_experts: tl.constexpr = N_GROUP * PER_GROUP
-    if first < num_tokens:
-        if SPLIT_K:
-            _add_splits(partial_ptr, logits_ptr, first, num_tokens, splits, num_experts,
-                        E_PAD, SEL_ROWS)  # fmt: skip
-        select_experts(
-            logits_ptr, num_experts, bias_ptr, weights_ptr, ids_ptr, first, num_tokens,
-            SCALE, SCORE, PER_GROUP, N_GROUP, TOPK_GROUP, TOP_K, NORM_TOPK_PROB,
-            BLOCK_G, BLOCK_J, BLOCK_K, SEL_ROWS,
-        )  # fmt: skip
-
-
 @triton.jit(do_not_specialize=["num_tokens", "split_size"])
 def _route_kernel(
     x_ptr: tl.tensor,
@@ -437,8 +400,8 @@ def _route_kernel(
             tl.store(logits_ptr + tile, acc, mask=tile_ok)
         tl.debug_barrier()  # every thread's sums are written before the ticket is taken
         block_ticket = tickets_ptr + _COUNTERS + block
-        groups: tl.constexpr = ROWS // SEL_ROWS
         tl.atomic_add(block_ticket, 1, sem="release")
+        groups: tl.constexpr = ROWS // SEL_ROWS
         block_first = block * ROWS
         waiters = tl.minimum(per_block, _MAX_WAITERS)
         selects = (within < waiters) & (within < groups)
@@ -448,11 +411,16 @@ def _route_kernel(
                 arrived = tl.atomic_add(block_ticket, 0, sem="acquire")
             tl.debug_barrier()  # no thread reads the block's sums before the wait ends
             for group in range(within, groups, waiters):
-                _select_rows(logits_ptr, bias_ptr, weights_ptr, ids_ptr, partial_ptr,
-                             block_first + group * SEL_ROWS, num_tokens, splits, SPLIT_K,
-                             SCALE, SCORE, PER_GROUP, N_GROUP, TOPK_GROUP, TOP_K,
-                             NORM_TOPK_PROB, BLOCK_G, BLOCK_J, BLOCK_K, SEL_ROWS,
-                             E_PAD)  # fmt: skip
+                first = block_first + group * SEL_ROWS
+                if first < num_tokens:
+                    if SPLIT_K:
+                        _add_splits(partial_ptr, logits_ptr, first, num_tokens, splits,
+                                    num_experts, E_PAD, SEL_ROWS)  # fmt: skip
+                    select_experts(
+                        logits_ptr, num_experts, bias_ptr, weights_ptr, ids_ptr, first,
+                        num_tokens, SCALE, SCORE, PER_GROUP, N_GROUP, TOPK_GROUP, TOP_K,
+                        NORM_TOPK_PROB, BLOCK_G, BLOCK_J, BLOCK_K, SEL_ROWS,
+                    )  # fmt: skip
         finished = tl.atomic_add(tickets_ptr + 1, 1, sem="acq_rel")
         if finished == tl.num_programs(0) - 1:
             used = _COUNTERS + tl.cdiv(num_tokens, ROWS)
@@ -736,15 +704,16 @@ class TritonRouter:
                 f"router (triton): {tokens} tokens exceed the {serves} its ticket buffer "
                 "serves; build the layer with a larger max_num_tokens"
             )
-        use_planes = planes is not None and weight.dtype == torch.float32
-        if use_planes and planes.shape != (PLANES * self.num_experts, hidden):
+        if weight.dtype != torch.float32:
+            planes = None  # a bf16 weight is one product already
+        if planes is not None and planes.shape != (PLANES * self.num_experts, hidden):
             raise ValueError(
                 f"router (triton): weight planes {tuple(planes.shape)}; expected "
                 f"({PLANES * self.num_experts}, {hidden}), the weight's three bf16 "
                 "parts (router_logits.weight_planes)"
             )
         if tokens >= self.matmul_tokens:
-            if use_planes:
+            if planes is not None:
                 stacked = torch.mm(hidden_states, planes.t(), out_dtype=torch.float32)
                 logits = stacked.new_empty((tokens, self.num_experts))
                 return (*self._select(stacked, bias, PLANES, logits), logits)
@@ -756,7 +725,7 @@ class TritonRouter:
         ids = torch.empty((tokens, self.top_k), dtype=torch.int32, device=device)
         if tokens == 0:
             return weights, ids, logits
-        if use_planes:
+        if planes is not None:
             kind, weight = WEIGHT_PLANES, planes
         else:
             kind = WEIGHT_FP32 if weight.dtype == torch.float32 else WEIGHT_BF16
