@@ -170,6 +170,17 @@ def _duplicate_index_key(ckpt: Path) -> None:
     (ckpt / INDEX_FILE).write_text(text.replace(entry, f"{entry}, {entry}", 1))
 
 
+def _duplicate_config_key(ckpt: Path) -> None:
+    text = (ckpt / "config.json").read_text()
+    (ckpt / "config.json").write_text(text.replace("{", '{"num_experts": 2, ', 1))
+
+
+def _index_metadata_not_an_object(ckpt: Path) -> None:
+    index = _index(ckpt)
+    index["metadata"] = [index.get("metadata")]
+    _write_index(ckpt, index)
+
+
 def _unlisted_tensor(ckpt: Path) -> None:
     index = _index(ckpt)
     del index["weight_map"][EXPERT + ".weight"]
@@ -311,6 +322,16 @@ CASES: dict[str, tuple[Callable[[Path], None], type[Exception], str]] = {
         _duplicate_index_key,
         CheckpointError,
         r"not a valid index \(key '.*2\.down_proj\.weight' appears twice",
+    ),
+    "config key given twice": (
+        _duplicate_config_key,
+        CheckpointError,
+        r"config\.json: not valid JSON \(key 'num_experts' appears twice .*keep the right one",
+    ),
+    "index metadata not an object": (
+        _index_metadata_not_an_object,
+        CheckpointError,
+        r"not a valid index \('metadata' is a list, where an index has an object",
     ),
     "tensor of a shard not in the index": (
         _unlisted_tensor,

@@ -44,6 +44,7 @@ from megamoe.core.checkpoint_files import (
     REDOWNLOAD,
     SINGLE_FILE,
     CheckpointFiles,
+    refuse_duplicate_keys,
     unreadable_json,
 )
 from megamoe.core.dense_update import UNQUANTIZED_DTYPES, loads_unquantized
@@ -97,8 +98,8 @@ def read_config(path: str | Path) -> dict[str, Any]:
             f"{config_path}: larger than {MAX_CONFIG_BYTES} bytes; not a model config"
         )
     try:
-        config = json.loads(config_path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        config = json.loads(config_path.read_bytes(), object_pairs_hook=refuse_duplicate_keys)
+    except (json.JSONDecodeError, UnicodeDecodeError, CheckpointError) as err:
         raise CheckpointError(f"{config_path}: not valid JSON ({err})") from None
     except (RecursionError, ValueError) as err:
         raise CheckpointError(f"{config_path}: {unreadable_json(err)}") from None

@@ -67,12 +67,18 @@ def check_file_name(name: object, where: str) -> str:
     return name
 
 
-def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """``object_pairs_hook`` of the index: a key given twice is an error, not a silent pick."""
+def refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` of the index and config: a key given twice is an error.
+
+    ``json.loads`` alone would keep its last value silently.
+    """
     seen: dict[str, Any] = {}
     for key, value in pairs:
         if key in seen:
-            raise CheckpointError(f"key {key!r} appears twice in one JSON object")
+            raise CheckpointError(
+                f"key {key!r} appears twice in one JSON object, where a reader silently takes "
+                "one of the two: keep the right one"
+            )
         seen[key] = value
     return seen
 
@@ -135,7 +141,7 @@ class CheckpointFiles:
                 f"index may have; {REDOWNLOAD}"
             )
         try:
-            data = json.loads(index.read_bytes(), object_pairs_hook=_refuse_duplicates)
+            data = json.loads(index.read_bytes(), object_pairs_hook=refuse_duplicate_keys)
         except (json.JSONDecodeError, UnicodeDecodeError, CheckpointError) as err:
             raise CheckpointError(f"{index}: not a valid index ({err}); {REDOWNLOAD}") from None
         except (RecursionError, ValueError) as err:
@@ -147,6 +153,12 @@ class CheckpointFiles:
             raise CheckpointError(
                 f"{index}: not a valid index (needs a JSON object with a 'weight_map' object "
                 f"mapping tensor names to shard files); {REDOWNLOAD}"
+            )
+        metadata = data.get("metadata")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise CheckpointError(
+                f"{index}: not a valid index ('metadata' is a {type(metadata).__name__}, "
+                f'where an index has an object such as {{"total_size": ...}}); {REDOWNLOAD}'
             )
         for name, file in weight_map.items():
             check_file_name(file, f"{index}: weight_map[{name!r}]")
