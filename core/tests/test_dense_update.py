@@ -36,6 +36,9 @@ def test_checks_name_the_tensor_and_leave_the_parameter() -> None:
         update.load("gate.weight", param, bad, shape_note="")
     with pytest.raises(ValueError, match=r"x\.down_proj holds NaN or infinity"):
         update.write("down_proj", param, torch.full((4, 8), float("inf")), shape_note="")
+    meta = torch.empty((4, 8), device="meta")
+    with pytest.raises(ValueError, match=r"x\.gate\.weight is a meta tensor .*load the"):
+        update.load("gate.weight", param, meta, shape_note="")
     assert torch.equal(param.float(), value)  # refused tensors leave it as it was
 
 

@@ -22,6 +22,8 @@ from typing import Protocol
 
 import torch
 
+from megamoe.core.errors import refuse_meta_tensor
+
 UNQUANTIZED_DTYPES = "bf16/fp16/fp32"  # what loads_unquantized accepts, for messages
 
 
@@ -113,6 +115,7 @@ class DenseUpdate:
             ValueError: a shape other than ``param``'s, or NaN or infinity (in ``value``, or
                 after its cast to ``param``'s dtype: values beyond its range).
         """
+        refuse_meta_tensor(f"{self.label}.{name}", value)
         if tuple(value.shape) != tuple(param.shape):
             raise ValueError(
                 f"{self.label}.{name} has shape {tuple(value.shape)}, expected "

@@ -25,6 +25,19 @@ def format_keys(keys: Iterable[Hashable]) -> str:
     return shown + (f" and {more} more" if more > 0 else "")
 
 
+def refuse_meta_tensor(what: str, tensor: Any) -> None:
+    """Raise ``ValueError`` naming ``what`` when ``tensor`` is a meta tensor (no data).
+
+    torch's own error (``Cannot copy out of meta tensor``) names neither the tensor nor the
+    cause: a model built on the meta device handing its placeholders to a load.
+    """
+    if getattr(tensor, "is_meta", False):
+        raise ValueError(
+            f"{what} is a meta tensor (a shape without data, as a model built on the meta "
+            "device holds); load the checkpoint's tensors instead"
+        )
+
+
 class IncompleteShardsError(ValueError):
     """Some expert shards received only their weight or only their scale.
 

@@ -118,7 +118,9 @@ class ExpertLayout:
         if not 0 <= expert_id < self.num_logical_experts:
             raise ValueError(
                 f"{self.label}: expert id {expert_id} is out of range "
-                f"[0, num_logical_experts={self.num_logical_experts})"
+                f"[0, num_logical_experts={self.num_logical_experts}); tensors name experts "
+                "by their global id in the checkpoint: check the name, or the expert count "
+                "the layer was built with (the config's)"
             )
         start, logical = self.experts_start_idx, self.num_logical_experts
         first = start + (expert_id - start) % logical  # first replica at or after start

@@ -35,6 +35,7 @@ import torch
 
 from megamoe.core import nvfp4, quant
 from megamoe.core.arrival import DeviceArrival
+from megamoe.core.errors import refuse_meta_tensor
 from megamoe.core.expert_layout import ExpertLayout, Specs
 from megamoe.core.expert_names import (
     FUSED_DOWN,
@@ -317,6 +318,10 @@ class ExpertLoading(abc.ABC):
         """The tensor-name pattern ``load_weights`` takes, for messages."""
         kinds = set(checkpoint_kinds(self.checkpoint_format))
         pattern = "{expert}.{gate,up,down}_proj.{" + ",".join(sorted(kinds)) + "}"
+        pattern += (
+            f", {{expert}} a decimal id in [0, {self.layout.num_logical_experts}) without "
+            "leading zeros"
+        )
         if self.checkpoint_format is WeightFormat.BF16:
             pattern += f" or fused {FUSED_GATE_UP} / {FUSED_DOWN}"
         return pattern
@@ -422,6 +427,7 @@ class ExpertLoading(abc.ABC):
     ) -> None:
         """Named dtype and shape checks of one weight or scale stored in ``fmt`` (no data read)."""
         label, is_scale = self.layout.label, kind != WEIGHT
+        refuse_meta_tensor(f"{label}: {what}", tensor)
         spec = specs[1] if is_scale else specs[0]
         if spec is None:
             raise ValueError(f"{label}: {what}: {fmt.value} has no scale tensor")
