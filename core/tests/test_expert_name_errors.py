@@ -33,8 +33,8 @@ def _stream() -> list[tuple[str, torch.Tensor]]:
     [
         ("8.gate_proj.weight", r"expert id 8 is out of range \[0, num_logical_experts=8\); "
          r"tensors name experts by their global id"),
-        ("07.gate_proj.weight", r"'07\.gate_proj\.weight'; expected .*\{expert\} a decimal id "
-         r"in \[0, 8\) without leading zeros"),
+        ("07.gate_proj.weight", r"'07\.gate_proj\.weight'; expected .*\(\{expert\}: a decimal "
+         r"id in \[0, 8\), no leading zeros\)"),
         ("-1.gate_proj.weight", r"'-1\.gate_proj\.weight'; expected .*in \[0, 8\)"),
     ],
 )  # fmt: skip

@@ -318,13 +318,10 @@ class ExpertLoading(abc.ABC):
         """The tensor-name pattern ``load_weights`` takes, for messages."""
         kinds = set(checkpoint_kinds(self.checkpoint_format))
         pattern = "{expert}.{gate,up,down}_proj.{" + ",".join(sorted(kinds)) + "}"
-        pattern += (
-            f", {{expert}} a decimal id in [0, {self.layout.num_logical_experts}) without "
-            "leading zeros"
-        )
         if self.checkpoint_format is WeightFormat.BF16:
             pattern += f" or fused {FUSED_GATE_UP} / {FUSED_DOWN}"
-        return pattern
+        num = self.layout.num_logical_experts
+        return f"{pattern} ({{expert}}: a decimal id in [0, {num}), no leading zeros)"
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load ``{expert}.{gate,up,down}_proj.{weight,<scale name>}`` tensors.
