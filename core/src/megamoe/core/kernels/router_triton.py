@@ -16,7 +16,7 @@ one launch:
 2. Programs take their tiles in the order they start (an atomic counter), token block by
    token block, and count themselves in on their block's ticket (release). Up to 16 of a
    block's programs then wait for its ticket to be full (acquire) and select the block's
-   rows between them, one row at a time for routers of 128 experts or more, after adding
+   rows between them, one row at a time for routers of more than 128 experts, after adding
    the splits in split order (deterministic for a given token count). Only the newest
    block's programs can wait on tiles not yet started, so the launch never needs more
    than 17 programs resident at once. The last program to finish sets every ticket back
@@ -24,13 +24,14 @@ one launch:
    program of a block select all its rows alone: 2-4x the GPU time for E >= 256 at 16-128
    tokens on the H200 (docs/gpu.md).
 
-Calls of ``MATMUL_TOKENS`` (256) tokens or more take torch's GEMM (cuBLAS) for the
-logits and launch the selection alone (one program per row, or per 4 rows of a 64-expert
-router): there the kernel's tiles took 1.1-2.7x the GPU time on the H200. A float32 weight
-given with its three bf16 parts takes one bf16 tensor-core GEMM against them, whose three
-products the selection adds, instead of a float32 GEMM of widened activations. After a
-variant's first call the launch skips Triton's JIT (``kernels.launch.KernelLaunch``): 47
-instead of 89 us of host time per call there.
+Calls of ``matmul_tokens_for(E)`` tokens or more (256; 64 for routers of 256 experts or
+more) take torch's GEMM (cuBLAS) for the logits and launch the selection alone (one
+program per row, or per 4 rows of a 64-expert router): there the kernel's tiles took
+1.2-1.8x (E=64, 256 tokens) and 1.1-7.3x (E >= 256, 64-255 tokens) the GPU time on the
+H200. A float32 weight given with its three bf16 parts takes one bf16 tensor-core GEMM
+against them, whose three products the selection adds, instead of a float32 GEMM of
+widened activations. After a variant's first call the launch skips Triton's JIT
+(``kernels.launch.KernelLaunch``): 47 instead of 89 us of host time per call there.
 
 Selection (:func:`select_experts`, a few rows at once, each token's row a (groups x
 experts per group) tile in registers) has two scorings:
@@ -473,13 +474,14 @@ class LaunchShape:
     num_warps: int = 4
 
 
-# Under 64 tokens 32-expert tiles, from 64 on 64-expert ones: the faster on the H200 for
-# the routers of bench_router.py (docs/gpu.md).
+# Under 64 tokens 32-expert tiles, from 64 on 64-expert ones (routers under 256 experts;
+# the larger take cuBLAS's logits there): on the H200 within 1.2 us of the 32-expert tiles
+# for E=64 at 64-128 tokens, faster at 255.
 LAUNCH_SHAPES = (LaunchShape(1), LaunchShape(64, cols=64))
 # From this many tokens a call takes torch's GEMM (cuBLAS) for the logits and launches the
 # selection alone; from 64 for routers of 256 experts or more, whose weight the kernel's
-# 16-token tiles read once per 16 tokens. On the H200 the kernel took 1.1-2.7x the GPU time
-# of cuBLAS's GEMM and the selection there at 256 tokens (E=64), and 1.8-7x at 64-255
+# 16-token tiles read once per 16 tokens. On the H200 the kernel took 1.2-1.8x the GPU time
+# of cuBLAS's GEMM and the selection there at 256 tokens (E=64), and 1.1-7.3x at 64-255
 # tokens for E >= 256 (docs/gpu.md): more than the second launch's host time.
 MATMUL_TOKENS = 256
 LARGE_ROUTER = 256  # experts
