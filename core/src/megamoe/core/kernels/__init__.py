@@ -47,8 +47,7 @@ def one_launch_router(
     ):
         return None, None
     scoring = {"softmax": router_triton.SCORE_SOFTMAX, "sigmoid": router_triton.SCORE_SIGMOID}
-    matmul_tokens = router_triton.matmul_tokens_for(settings["num_experts"])
     return (
-        router_triton.TritonRouter(scoring[score], **settings, matmul_tokens=matmul_tokens),
+        router_triton.TritonRouter(scoring[score], **settings),
         router_triton.ticket_buffer(max_num_tokens, device),
     )

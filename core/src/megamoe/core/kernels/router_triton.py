@@ -527,8 +527,8 @@ class TritonRouter:
         routed_scaling_factor: weight multiplier (``SCORE_SIGMOID``).
         shapes: the launch shapes by call size (``LAUNCH_SHAPES``; benchmarks try others).
         matmul_tokens: calls of this many tokens or more compute the logits with torch's
-            GEMM, then launch the selection alone (``matmul_tokens_for(num_experts)``
-            where ``kernels.one_launch_router`` builds it).
+            GEMM, then launch the selection alone (``matmul_tokens_for(num_experts)``,
+            derived).
 
     Raises:
         ValueError: settings :func:`covers` rejects, an unknown scoring, or launch shapes
@@ -543,7 +543,7 @@ class TritonRouter:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     shapes: tuple[LaunchShape, ...] = LAUNCH_SHAPES
-    matmul_tokens: int = MATMUL_TOKENS
+    matmul_tokens: int = field(init=False, compare=False)
     _plans: dict[tuple[int, int, int, int], _Plan] = field(
         init=False, repr=False, compare=False, default_factory=dict
     )
@@ -560,6 +560,8 @@ class TritonRouter:
                 f"n_group={self.n_group} exceed the kernel's E <= {MAX_EXPERTS}, top_k <= "
                 f"{MAX_TOP_K}, n_group <= {MAX_GROUPS}; use the torch path"
             )
+        # frozen: the derived field is set once, here
+        object.__setattr__(self, "matmul_tokens", matmul_tokens_for(self.num_experts))
         first = self.shapes[0].min_tokens if self.shapes else None
         if first != 1:
             raise ValueError(
