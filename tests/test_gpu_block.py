@@ -7,7 +7,9 @@ H=2048, I=768, shared 768, DeepGEMM) must:
   custom op), matching eager within 1e-2;
 - capture into a CUDA graph whose replay equals eager bit for bit (and within 1e-3 with
   the shared expert on the auxiliary stream);
-- run its forward under ``torch.cuda.set_sync_debug_mode("error")``: no host sync.
+- run its forward under ``torch.cuda.set_sync_debug_mode("error")``: no host sync;
+- let its router kernel write the kernel's inputs (no pre-dispatch launch) with the
+  output of DeepGEMM's pre-dispatch, bit for bit.
 """
 
 from __future__ import annotations
@@ -124,3 +126,19 @@ def test_the_forward_never_syncs_the_host(block: MoEBlock) -> None:
     x = _tokens()
     with torch.no_grad():
         assert_no_host_sync(lambda: block(x))
+
+
+@pytest.mark.parametrize("tokens", [1, 17, TOKENS])
+def test_the_router_kernel_fills_the_kernel_inputs_bit_for_bit(
+    block: MoEBlock, tokens: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The router kernel writes the Hopper kernel's inputs itself (no pre-dispatch launch):
+    the block's output equals the one through DeepGEMM's pre-dispatch bit for bit."""
+    x = _tokens()[:tokens]
+    experts = block.experts
+    assert experts.dispatch_buffer(x) is not None, "the fused dispatch must run here"
+    with torch.no_grad():
+        fused = block(x)
+        monkeypatch.setattr(experts, "dispatch_buffer", lambda hidden_states: None)
+        through_pre_dispatch = block(x)
+    assert torch.equal(fused.view(torch.int16), through_pre_dispatch.view(torch.int16))

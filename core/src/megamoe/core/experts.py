@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megamoe.core import experts_op
+from megamoe.core.backends.base import DispatchBuffer
 from megamoe.core.backends.select import resolve_backend
 from megamoe.core.errors import MissingExpertsError, format_keys
 from megamoe.core.expert_layout import ExpertLayout
@@ -258,8 +259,32 @@ class MegaMoEExperts(ExpertLoading, FixedModule):
         """
         return set()
 
+    def dispatch_buffer(self, hidden_states: torch.Tensor) -> DispatchBuffer | None:
+        """Where a router kernel may write this forward's kernel inputs, else None.
+
+        A buffer (``backends.base.DispatchBuffer``) where the backend keeps one (DeepGEMM's
+        Hopper kernel), once finalized, for a call of 1 to ``max_num_tokens`` tokens that
+        ``torch.compile`` is not tracing (the custom op takes the routing as its
+        arguments). A router that writes it is followed by ``forward(..., dispatched=True)``
+        on the same stream, before anything else uses the buffer (it is shared by the
+        layers of one shape).
+        """
+        tokens = hidden_states.shape[0]
+        if (
+            not self._finalized
+            or not 0 < tokens <= self.max_num_tokens
+            or torch.compiler.is_compiling()
+        ):
+            return None
+        return self.backend.dispatch_buffer(self)
+
     def forward(
-        self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+        self,
+        hidden_states: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        *,
+        dispatched: bool = False,
     ) -> torch.Tensor:
         """Routed (plus fused shared) expert output for this rank's tokens.
 
@@ -267,6 +292,9 @@ class MegaMoEExperts(ExpertLoading, FixedModule):
             hidden_states: (T, H) bfloat16, ``T <= max_num_tokens``.
             topk_weights: (T, top_k) float32.
             topk_ids: (T, top_k) int32/int64 physical expert ids, -1 = unused slot.
+            dispatched: the router kernel wrote these tokens and this routing into
+                :meth:`dispatch_buffer` (given for this call): the backend launches the
+                kernel on them without its own pre-dispatch.
 
         Returns:
             (T, H) bfloat16.
@@ -276,7 +304,8 @@ class MegaMoEExperts(ExpertLoading, FixedModule):
         calls it directly. This method itself only checks metadata (no host sync).
 
         Raises:
-            RuntimeError: ``finalize()`` has not completed yet.
+            RuntimeError: ``finalize()`` has not completed yet, or ``dispatched`` where
+                :meth:`dispatch_buffer` gives none.
             ValueError: a shape that does not match, or too many tokens.
             TypeError: a dtype that does not match.
             FormatMismatchError: kernel tensors or backend buffers of another format.
@@ -287,6 +316,14 @@ class MegaMoEExperts(ExpertLoading, FixedModule):
                 "call finalize()"
             )
         self.layout.check_forward(hidden_states, topk_weights, topk_ids)
+        if dispatched:
+            if self.dispatch_buffer(hidden_states) is None:
+                raise RuntimeError(
+                    f"{self.layout.label}: forward(dispatched=True), but this call has no "
+                    "dispatch buffer (dispatch_buffer() gave None); call forward() without it"
+                )
+            check_tags(self.kernel_tag, self.kernel_params, self.layout.label)
+            return self.backend.forward_dispatched(self, hidden_states.shape[0])
         if not torch.compiler.is_compiling():  # eager: no dispatcher round trip
             return self.run_backend(hidden_states, topk_weights, topk_ids)
         return experts_op.experts(hidden_states, topk_weights, topk_ids, self.w13_weight)

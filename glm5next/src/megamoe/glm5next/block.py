@@ -53,7 +53,9 @@ class Glm5NextMegaMoeBlock(MoEBlock):
     (``swiglu_limit``: gate <= L, -L <= up <= L, before silu) in the routed experts and the
     shared expert alike. The router's expert ids go to the experts
     as physical ids (physical expert ``e`` holds logical expert ``e``); an engine with EPLB
-    replicas calls ``block.gate`` and ``block.experts`` itself to remap in between.
+    replicas calls ``block.gate`` and ``block.experts`` itself to remap in between. On the
+    Hopper kernel the router kernel also writes the kernel's inputs
+    (``experts.dispatch_buffer``), so the experts skip DeepGEMM's pre-dispatch launch.
 
     Args:
         config: a ``Glm5NextConfig`` or the ``config.json`` mapping.
@@ -179,13 +181,17 @@ class Glm5NextMegaMoeBlock(MoEBlock):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Routed plus (fused or separate) shared-expert output; see ``MoEBlock.forward``."""
         check_hidden_states(self.prefix, hidden_states, self.config.hidden_size, self.device)
+        # The router kernel writes the kernel's inputs itself where it can: no pre-dispatch.
+        dispatch = None if self.gate.kernel is None else self.experts.dispatch_buffer(hidden_states)
+        dispatched = dispatch is not None
         shared_mlp = self.shared_experts
         if shared_mlp is None:
-            return self.experts(hidden_states, *self.gate(hidden_states))
+            routing = self.gate(hidden_states, dispatch)
+            return self.experts(hidden_states, *routing, dispatched=dispatched)
         routed, (shared,) = self.aux_stream.schedule(
             lambda: (shared_mlp(hidden_states),),
-            lambda: self.gate(hidden_states),
-            lambda weights, ids: self.experts(hidden_states, weights, ids),
+            lambda: self.gate(hidden_states, dispatch),
+            lambda weights, ids: self.experts(hidden_states, weights, ids, dispatched=dispatched),
         )
         return routed + shared  # bf16 + bf16 adds in float32 and rounds once, one kernel
 

@@ -19,6 +19,7 @@ from typing import TypedDict, Unpack
 
 import torch
 
+from megamoe.core.backends.base import DispatchBuffer
 from megamoe.core.kernels import TRITON_AVAILABLE, one_launch_router
 from megamoe.core.router_logits import PLANES, router_logits, weight_planes
 from megamoe.glm5next.config import ROUTER_TOP2, Glm5NextConfig
@@ -256,15 +257,34 @@ class Glm5NextRouter(torch.nn.Module):
         self.register_buffer("weight_planes", planes, persistent=False)
         self._planes_version = self.weight._version  # zeros split into zeros
 
+    def fills_dispatch(self, hidden_states: torch.Tensor) -> bool:
+        """Whether a call on ``hidden_states`` takes the kernel, which can fill a dispatch."""
+        return self.kernel is not None and hidden_states.is_cuda and hidden_states.dtype == BF16
+
     def refresh_planes(self) -> None:
         """Rebuild ``weight_planes`` from the weight in place (no-op without them)."""
         if self.weight_planes is not None:
             self.weight_planes.copy_(weight_planes(self.weight))
             self._planes_version = self.weight._version
 
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Routing weights (float32) and expert ids (int32) of each token, (tokens, top_k)."""
-        if self.kernel is not None and hidden_states.is_cuda and hidden_states.dtype == BF16:
+    def forward(
+        self, hidden_states: torch.Tensor, dispatch: DispatchBuffer | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing weights (float32) and expert ids (int32) of each token, (tokens, top_k).
+
+        ``dispatch``: the experts' ``dispatch_buffer()`` for this call, which the kernel
+        fills too (the block passes it where :meth:`fills_dispatch` holds).
+
+        Raises:
+            ValueError: a ``dispatch`` the kernel does not run for (see ``fills_dispatch``).
+        """
+        if dispatch is not None and not self.fills_dispatch(hidden_states):
+            raise ValueError(
+                f"router: a dispatch buffer, but the one-launch kernel does not run for "
+                f"{hidden_states.dtype} activations on {hidden_states.device} (kernel "
+                f"{'present' if self.kernel is not None else 'absent'}); route without one"
+            )
+        if self.fills_dispatch(hidden_states):
             planes = self.weight_planes
             if (
                 planes is not None
@@ -272,9 +292,10 @@ class Glm5NextRouter(torch.nn.Module):
                 and self.weight._version != self._planes_version
             ):
                 self.refresh_planes()  # the weight was written since (traced: finalize did)
-            weights, ids, _ = self.kernel.route(
-                hidden_states, self.weight, self.tickets, self.e_score_correction_bias, planes
-            )
+            weights, ids, _ = self.kernel.route(  # type: ignore[union-attr]  # fills_dispatch
+                hidden_states, self.weight, self.tickets, self.e_score_correction_bias, planes,
+                dispatch,
+            )  # fmt: skip
             return weights, ids
         return route_logits(
             router_logits(hidden_states, self.weight), self.e_score_correction_bias, **self.routing

@@ -8,6 +8,7 @@ from typing import Any, Unpack
 import torch
 
 from megamoe.core.adapters import MoEBlock
+from megamoe.core.backends.base import DispatchBuffer
 from megamoe.core.block_setup import EXPERTS, BlockOptions, check_hidden_states, plan_experts
 from megamoe.core.dense_update import DenseUpdate, discard_on_error
 from megamoe.core.errors import IncompleteShardsError, MissingExpertsError
@@ -59,6 +60,8 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
     work overlaps the kernel) or, while a CUDA graph is captured, on an auxiliary stream
     beside the router, joined before the launch, which needs every SM (``use_aux_stream``),
     and returns routed plus shared output for this rank's tokens; no collective follows.
+    On the Hopper kernel the router kernel also writes the kernel's inputs
+    (``experts.dispatch_buffer``), so the experts skip DeepGEMM's pre-dispatch launch.
 
     Args:
         config: the model config (a ``Qwen4ExpConfig`` or the ``config.json`` mapping).
@@ -133,7 +136,9 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
 
     # -- forward ---------------------------------------------------------------------------
 
-    def route(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(
+        self, hidden_states: torch.Tensor, dispatch: DispatchBuffer | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k routing weights (float32) and expert ids (int32) of each token.
 
         Logits precision: float32, from the bf16 input and router weight (exact products,
@@ -153,13 +158,23 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
         ``matmul_tokens`` (64 for 256 experts or more, else 256), cuBLAS's logits and the
         kernel's selection from there
         (``megamoe.core.kernels.router_triton``, softmax scoring: the same rule, its own
-        float32 summation order and ``exp``); elsewhere four torch operations.
+        float32 summation order and ``exp``); elsewhere four torch operations. The kernel
+        also fills ``dispatch`` when given (the experts' ``dispatch_buffer()``).
+
+        Raises:
+            ValueError: a ``dispatch`` where the kernel does not run (no Triton, CPU).
         """
         if self.router_kernel is not None and hidden_states.is_cuda:
             weights, ids, _ = self.router_kernel.route(
-                hidden_states, self.gate.weight, self.router_tickets
+                hidden_states, self.gate.weight, self.router_tickets, dispatch=dispatch
             )
             return weights, ids
+        if dispatch is not None:
+            raise ValueError(
+                f"{self.prefix}: route() got a dispatch buffer, but the one-launch router "
+                f"does not run on {hidden_states.device} (Triton "
+                f"{'present' if TRITON_AVAILABLE else 'missing'}); route without one"
+            )
         return softmax_topk(
             router_logits(hidden_states, self.gate.weight),
             self.config.num_experts_per_tok,
@@ -195,10 +210,15 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Routed plus gated shared-expert output (see ``MoEBlock.forward`` and ``combine``)."""
         check_hidden_states(self.prefix, hidden_states, self.config.hidden_size, self.device)
+        # The router kernel writes the kernel's inputs itself where it can: no pre-dispatch.
+        kernel = self.router_kernel
+        dispatch = None if kernel is None else self.experts.dispatch_buffer(hidden_states)
         routed, (shared,) = self.aux_stream.schedule(
             lambda: (self.shared_expert(hidden_states),),
-            lambda: self.route(hidden_states),
-            lambda weights, ids: self.experts(hidden_states, weights, ids),
+            lambda: self.route(hidden_states, dispatch),
+            lambda weights, ids: self.experts(
+                hidden_states, weights, ids, dispatched=dispatch is not None
+            ),
         )
         return self.combine(routed, shared, hidden_states)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
 
@@ -13,6 +13,34 @@ from megamoe.core.l1_order import L1RowOrder
 
 if TYPE_CHECKING:
     from megamoe.core.experts import MegaMoEExperts
+
+
+DISPATCH_GROUP = 128  # columns per float32 scale of the Hopper kernel's FP8 input
+DISPATCH_AMAX_FLOOR = 1e-10  # the Hopper pre-dispatch clamps a group's amax to this
+
+
+class DispatchBuffer(NamedTuple):
+    """A kernel's input buffer that the router kernel can fill instead of the pre-dispatch.
+
+    DeepGEMM's Hopper MegaMoE kernel reads this rank's tokens from its symmetric buffer,
+    which ``mega_moe_pre_dispatch_sm90`` fills: the tokens cast to FP8 E4M3 with a float32
+    scale per 128 columns (``scale = max(amax, 1e-10) / 448``, values ``x * (1 / scale)``, both
+    divisions exact), the ids as int64 and the weights, then id -1 and weight 0 in every
+    row from the call's tokens to the buffer's end. The one-launch router writes the same
+    bits while it routes (``megamoe.core.kernels.router_triton``), one launch fewer per
+    layer. Rows: the buffer's capacity in tokens.
+
+    Attributes:
+        x: (rows, H) float8_e4m3fn.
+        x_scale: (rows, H / DISPATCH_GROUP) float32.
+        topk_ids: (rows, top_k) int64.
+        topk_weights: (rows, top_k) float32.
+    """
+
+    x: torch.Tensor
+    x_scale: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
 
 
 class ExpertsBackend(abc.ABC):
@@ -83,6 +111,15 @@ class ExpertsBackend(abc.ABC):
     def prepare(self, experts: MegaMoEExperts, local_ids: Sequence[int]) -> None:
         """Bring the backend's view of the given local experts up to date (``finalize()``)."""
 
+    def dispatch_buffer(self, experts: MegaMoEExperts) -> DispatchBuffer | None:
+        """The input buffer a router kernel may fill for :meth:`forward_dispatched`.
+
+        None (the default) where the backend takes the routing only as ``forward``'s
+        arguments.
+        """
+        del experts
+        return None
+
     @abc.abstractmethod
     def forward(
         self,
@@ -92,3 +129,18 @@ class ExpertsBackend(abc.ABC):
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
         """Routed (plus fused shared) expert output for this rank's tokens, (tokens, H) bf16."""
+
+    def forward_dispatched(self, experts: MegaMoEExperts, tokens: int) -> torch.Tensor:
+        """:meth:`forward` of the ``tokens`` tokens a router kernel wrote into the buffer.
+
+        The router kernel wrote them and their routing into :meth:`dispatch_buffer`;
+        backends that return one implement this.
+
+        Raises:
+            NotImplementedError: the backend has no dispatch buffer.
+        """
+        del experts, tokens
+        raise NotImplementedError(
+            f"the {self.name} experts backend has no dispatch buffer; call forward() with "
+            "the routing"
+        )

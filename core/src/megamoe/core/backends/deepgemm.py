@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from megamoe.core import quant
-from megamoe.core.backends.base import ExpertsBackend
+from megamoe.core.backends.base import DISPATCH_GROUP, DispatchBuffer, ExpertsBackend
 from megamoe.core.backends.deepgemm_layout import (
     KIND_BF16,
     KIND_FP8XFP4,
@@ -209,6 +209,22 @@ def _on_device(device: torch.device) -> Iterator[None]:
         yield
 
 
+def _sm90_dispatch(buf: Any, experts: MegaMoEExperts) -> DispatchBuffer | None:
+    """``buf``'s Hopper input rows as a ``DispatchBuffer``, None if they are laid out otherwise."""
+    rows = buf.x.shape[0]
+    found = DispatchBuffer(buf.x, buf.x_sf, buf.topk_idx, buf.topk_weights)
+    expected = (
+        ((rows, experts.hidden_size), torch.float8_e4m3fn),
+        ((rows, experts.hidden_size // DISPATCH_GROUP), torch.float32),
+        ((rows, experts.top_k), torch.int64),
+        ((rows, experts.top_k), torch.float32),
+    )
+    for tensor, (shape, dtype) in zip(found, expected, strict=True):
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype or not tensor.is_contiguous():
+            return None
+    return found
+
+
 def _contiguous_as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``tensor`` in ``dtype``, contiguous (itself, with no call, when it already is)."""
     if tensor.dtype == dtype and tensor.is_contiguous():
@@ -239,6 +255,7 @@ class DeepGemmBackend(ExpertsBackend):
         self._tagged: dict[str, torch.Tensor] = {}  # kernel_weights, gathered once per prepare
         self._buffer_check: tuple[KernelTag, dict[str, Any]] | None = None  # its tag, by name
         self._clamp: dict[str, float] = {}  # activation_clamp where the experts clamp
+        self._dispatch: DispatchBuffer | None = None  # the Hopper buffer's inputs, if as known
 
     @classmethod
     def unsupported_reason(cls, run_format: WeightFormat, device: torch.device) -> str | None:
@@ -358,6 +375,7 @@ class DeepGemmBackend(ExpertsBackend):
         self._bound_tokens = (
             kind == KIND_SM90 and one_rank and takes(module.fp8_mega_moe, BOUND_KEYWORD)
         )
+        self._dispatch = _sm90_dispatch(self._entry.buffer, experts) if kind == KIND_SM90 else None
 
     def _buffer(self, module: ModuleType, kind: str, experts: MegaMoEExperts) -> SymmBufferEntry:
         """The cached symmetric buffer for this layer's shape and kind."""
@@ -384,6 +402,41 @@ class DeepGemmBackend(ExpertsBackend):
 
         return get_symm_buffer(key, experts.kernel_tag.buffer_tag, allocate)
 
+    def dispatch_buffer(self, experts: MegaMoEExperts) -> DispatchBuffer | None:
+        """The Hopper kernel's input rows, where the buffer holds them as a router can write.
+
+        None before ``prepare``, for the SM100 kernels (their pre-dispatch casts to MXFP8)
+        and for a DeepGEMM build whose Hopper buffer differs from ``DispatchBuffer``'s
+        dtypes and shapes (its pre-dispatch is then the only writer).
+        """
+        del experts
+        return self._dispatch
+
+    def _checked(self, experts: MegaMoEExperts, tokens: int) -> tuple[Any, KernelLayout]:
+        """The kernel and layout of a forward of ``tokens`` tokens, after its checks.
+
+        Raises:
+            RuntimeError: ``prepare`` has not run.
+            ValueError: more tokens than the symmetric buffer holds.
+            FormatMismatchError: the buffer or kernel tensors carry another format's tag.
+        """
+        label = experts.layout.label
+        layout, entry, kernel = self._layout, self._entry, self._kernel
+        buffer_check = self._buffer_check
+        if layout is None or entry is None or kernel is None or buffer_check is None:
+            raise RuntimeError(
+                f"{label}: the DeepGEMM backend has no kernel weights; call finalize() first"
+            )
+        if tokens > entry.capacity:
+            raise ValueError(
+                f"{label}: {tokens} tokens exceed the DeepGEMM symmetric buffer's capacity of "
+                f"{entry.capacity} tokens per rank; raise max_num_tokens (now "
+                f"{experts.max_num_tokens}) when building the layer, or split the batch"
+            )
+        check_tags(*buffer_check, label)
+        check_tags(experts.kernel_tag, self._tagged, label)
+        return kernel, layout
+
     def forward(
         self,
         experts: MegaMoEExperts,
@@ -398,27 +451,39 @@ class DeepGemmBackend(ExpertsBackend):
             ValueError: more tokens than the symmetric buffer holds.
             FormatMismatchError: the buffer or kernel tensors carry another format's tag.
         """
-        label = experts.layout.label
-        layout, entry, kernel = self._layout, self._entry, self._kernel
-        buffer_check = self._buffer_check
-        if layout is None or entry is None or kernel is None or buffer_check is None:
-            raise RuntimeError(
-                f"{label}: the DeepGEMM backend has no kernel weights; call finalize() first"
-            )
-        tokens = hidden_states.shape[0]
-        if tokens > entry.capacity:
-            raise ValueError(
-                f"{label}: {tokens} tokens exceed the DeepGEMM symmetric buffer's capacity of "
-                f"{entry.capacity} tokens per rank; raise max_num_tokens (now "
-                f"{experts.max_num_tokens}) when building the layer, or split the batch"
-            )
-        check_tags(*buffer_check, label)
-        check_tags(experts.kernel_tag, self._tagged, label)
+        kernel, layout = self._checked(experts, hidden_states.shape[0])
+        buf = self._entry.buffer  # type: ignore[union-attr]  # _checked: prepared
         inputs = (hidden_states, topk_weights, topk_ids)
         if _other_device(experts.device):
             with torch.cuda.device(experts.device):
-                return self._launch(kernel, layout, entry.buffer, experts.hidden_size, *inputs)
-        return self._launch(kernel, layout, entry.buffer, experts.hidden_size, *inputs)
+                return self._launch(kernel, layout, buf, experts.hidden_size, *inputs)
+        return self._launch(kernel, layout, buf, experts.hidden_size, *inputs)
+
+    def forward_dispatched(self, experts: MegaMoEExperts, tokens: int) -> torch.Tensor:
+        """The Hopper kernel on the ``tokens`` tokens a router wrote into the buffer.
+
+        Raises:
+            NotImplementedError: the layer has no dispatch buffer (``dispatch_buffer``).
+            RuntimeError / ValueError / FormatMismatchError: as ``forward``.
+        """
+        if self._dispatch is None:
+            return super().forward_dispatched(experts, tokens)
+        (module, _), layout = self._checked(experts, tokens)
+        if _other_device(experts.device):
+            with torch.cuda.device(experts.device):
+                return self._launch_dispatched(module, layout, experts, tokens)
+        return self._launch_dispatched(module, layout, experts, tokens)
+
+    def _launch_dispatched(
+        self, module: ModuleType, layout: KernelLayout, experts: MegaMoEExperts, tokens: int
+    ) -> torch.Tensor:
+        """:meth:`forward_dispatched` after its checks, on the experts' device."""
+        l1w, l1s, l2w, l2s = layout.pieces
+        y = torch.empty((tokens, experts.hidden_size), dtype=torch.bfloat16, device=experts.device)
+        bound = {BOUND_KEYWORD: tokens} if self._bound_tokens else {}
+        buf = self._entry.buffer  # type: ignore[union-attr]  # _checked: prepared
+        module.fp8_mega_moe(y, (l1w, l1s), (l2w, l2s), buf, **self._clamp, **bound)
+        return y
 
     def _launch(
         self,

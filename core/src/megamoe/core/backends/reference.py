@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megamoe.core import quant
-from megamoe.core.backends.base import ExpertsBackend
+from megamoe.core.backends.base import DISPATCH_AMAX_FLOOR, DISPATCH_GROUP, ExpertsBackend
 from megamoe.core.formats import WeightFormat
 from megamoe.core.swiglu import swiglu
 from megamoe.core.tagging import check_tags, tag
@@ -41,8 +41,7 @@ from megamoe.core.tagging import check_tags, tag
 if TYPE_CHECKING:
     from megamoe.core.experts import MegaMoEExperts
 
-TOKEN_GROUP = (1, 128)  # Hopper kernel input: one float32 scale per token per 128 columns
-PRE_DISPATCH_AMAX_FLOOR = 1e-10  # mega_moe_pre_dispatch_sm90 clamps a group's amax to this
+TOKEN_GROUP = (1, DISPATCH_GROUP)  # Hopper kernel input: a float32 scale per token per 128
 HOPPER_INTERMEDIATE_GROUP = 64  # Hopper kernel SwiGLU output: a power-of-two scale per 64
 
 Rounding = Callable[[torch.Tensor], torch.Tensor]
@@ -69,7 +68,7 @@ def _round_token_fp8(x: torch.Tensor) -> torch.Tensor:
     tie, where the two round to different neighbours), values = E4M3(x * (1 / scale)).
     """
     groups = x.float().reshape(*x.shape[:-1], -1, TOKEN_GROUP[1])
-    amax = groups.abs().amax(-1, keepdim=True).clamp(min=PRE_DISPATCH_AMAX_FLOOR)
+    amax = groups.abs().amax(-1, keepdim=True).clamp(min=DISPATCH_AMAX_FLOOR)
     scale = amax / torch.full_like(amax, quant.E4M3_MAX)  # a tensor: CUDA divides exactly
     values = (groups * (1.0 / scale)).to(torch.float8_e4m3fn)
     return (values.float() * scale).reshape(x.shape)

@@ -65,7 +65,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from megamoe.core.backends.base import DISPATCH_AMAX_FLOOR, DISPATCH_GROUP, DispatchBuffer
 from megamoe.core.kernels.launch import KernelLaunch, eager_key
+from megamoe.core.quant import E4M3_MAX
 from megamoe.core.router_logits import PLANES, router_logits
 
 __all__ = [
@@ -102,7 +104,12 @@ _MASKED = tl.constexpr(-(2**63))  # packed key of a padded, excluded or chosen e
 _COUNTERS = tl.constexpr(COUNTERS)
 _MAX_WAITERS = tl.constexpr(MAX_WAITERS)
 _NORM_EPS = tl.constexpr(NORM_EPS)
+_CAST_COLS = tl.constexpr(1024)  # columns per step of the dispatch's FP8 cast
+_DISPATCH_GROUP = tl.constexpr(DISPATCH_GROUP)
+_AMAX_FLOOR = tl.constexpr(DISPATCH_AMAX_FLOOR)
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
 _WEIGHT_DTYPES = (torch.bfloat16, torch.float32)  # bf16: one product; float32: three
+_DISPATCH_DTYPES = (torch.float8_e4m3fn, torch.float32, torch.int64, torch.float32)
 
 
 def covers(num_experts: int, top_k: int, n_group: int) -> bool:
@@ -157,12 +164,16 @@ def select_experts(
     BLOCK_J: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ROWS: tl.constexpr,
+    DISPATCH: tl.constexpr,
+    dispatch_weights_ptr: tl.tensor,
+    dispatch_ids_ptr: tl.tensor,
 ) -> None:
     """Route tokens ``first_token .. + ROWS`` (those below ``num_tokens``) at once.
 
     Each token's logits row (contiguous (T, NUM_EXPERTS) logits) is a (groups x experts
     per group) tile; the tiles of the ROWS tokens stack into one (ROWS, BLOCK_G, BLOCK_J)
-    block, reduced along its last axes.
+    block, reduced along its last axes. With ``DISPATCH`` the weights and the ids (int64)
+    also go to the kernel's input buffer.
     """
     token = first_token + tl.arange(0, ROWS).to(tl.int64)
     token_ok = token < num_tokens
@@ -228,6 +239,57 @@ def select_experts(
     out = token[:, None] * TOP_K + slot
     tl.store(weights_ptr + out, weights, mask=out_ok)
     tl.store(ids_ptr + out, ids, mask=out_ok)
+    if DISPATCH:
+        tl.store(dispatch_weights_ptr + out, weights, mask=out_ok)
+        tl.store(dispatch_ids_ptr + out, ids.to(tl.int64), mask=out_ok)
+
+
+@triton.jit
+def _write_dispatch(
+    x_ptr: tl.tensor,
+    dispatch_x_ptr: tl.tensor,
+    dispatch_scale_ptr: tl.tensor,
+    dispatch_weights_ptr: tl.tensor,
+    dispatch_ids_ptr: tl.tensor,
+    num_tokens: tl.tensor,
+    rows: tl.tensor,
+    program: tl.tensor,
+    programs: tl.tensor,
+    HIDDEN: tl.constexpr,
+    TOP_K: tl.constexpr,
+) -> None:
+    """This program's share of the Hopper kernel's inputs (``backends.base.DispatchBuffer``).
+
+    Tokens in ``CAST_COLS``-column pieces, program ``program`` of ``programs`` taking
+    every ``programs``-th piece: each 128 columns' scale ``max(amax, 1e-10) / 448`` and the
+    values times ``1 / scale`` rounded to E4M3, both divisions exact (DeepGEMM's
+    pre-dispatch bits). Then its share of the padding: id -1 and weight 0 in every slot of
+    rows ``num_tokens .. rows``.
+    """
+    groups: tl.constexpr = HIDDEN // _DISPATCH_GROUP
+    per_piece: tl.constexpr = _CAST_COLS // _DISPATCH_GROUP
+    pieces: tl.constexpr = (HIDDEN + _CAST_COLS - 1) // _CAST_COLS
+    column = tl.arange(0, _CAST_COLS)
+    for piece in range(program, num_tokens * pieces, programs):
+        token = (piece // pieces).to(tl.int64)
+        first_group = (piece % pieces) * per_piece
+        cols = first_group * _DISPATCH_GROUP + column
+        cols_ok = cols < HIDDEN
+        x = tl.load(x_ptr + token * HIDDEN + cols, mask=cols_ok, other=0.0).to(tl.float32)
+        grouped = tl.reshape(x, (per_piece, _DISPATCH_GROUP))
+        amax = tl.maximum(tl.max(tl.abs(grouped), axis=1), _AMAX_FLOOR)
+        scale = tl.math.div_rn(amax, _E4M3_MAX)
+        values = tl.reshape(grouped * tl.math.div_rn(1.0, scale)[:, None], (_CAST_COLS,))
+        tl.store(dispatch_x_ptr + token * HIDDEN + cols, values.to(tl.float8e4nv), mask=cols_ok)
+        group = first_group + tl.arange(0, per_piece)
+        tl.store(dispatch_scale_ptr + token * groups + group, scale, mask=group < groups)
+    slots_end = rows * TOP_K
+    slot = tl.arange(0, _CAST_COLS)
+    for at in range(num_tokens * TOP_K + program * _CAST_COLS, slots_end, programs * _CAST_COLS):
+        index = at + slot
+        index_ok = index < slots_end
+        tl.store(dispatch_ids_ptr + index, tl.full([_CAST_COLS], -1, tl.int64), mask=index_ok)
+        tl.store(dispatch_weights_ptr + index, tl.zeros([_CAST_COLS], tl.float32), mask=index_ok)
 
 
 @triton.jit
@@ -280,7 +342,7 @@ def _add_planes(
     tl.debug_barrier()  # the selection reads these rows back
 
 
-@triton.jit(do_not_specialize=["num_tokens", "split_size"])
+@triton.jit(do_not_specialize=["num_tokens", "split_size", "dispatch_rows"])
 def _route_kernel(
     x_ptr: tl.tensor,
     w_ptr: tl.tensor,
@@ -290,8 +352,13 @@ def _route_kernel(
     ids_ptr: tl.tensor,
     tickets_ptr: tl.tensor,
     partial_ptr: tl.tensor,
+    dispatch_x_ptr: tl.tensor,
+    dispatch_scale_ptr: tl.tensor,
+    dispatch_weights_ptr: tl.tensor,
+    dispatch_ids_ptr: tl.tensor,
     num_tokens: tl.tensor,
     split_size: tl.tensor,
+    dispatch_rows: tl.tensor,
     HIDDEN: tl.constexpr,
     GIVEN_LOGITS: tl.constexpr,
     GIVEN_PLANES: tl.constexpr,
@@ -313,6 +380,7 @@ def _route_kernel(
     E_PAD: tl.constexpr,
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
+    DISPATCH: tl.constexpr,
 ) -> None:
     """One (ROWS x COLS) tile of a hidden-size split's logits, then a share of the selection.
 
@@ -333,19 +401,29 @@ def _route_kernel(
     1) sets every ticket back to zero for the next call and every CUDA-graph replay.
 
     ``GIVEN_LOGITS`` skips the GEMM: program p selects rows ``p * ROWS ..`` (ROWS ==
-    SEL_ROWS); with ``GIVEN_PLANES`` > 1 the given products are the (T, GIVEN_PLANES * E)
-    ``partial_ptr``, added into the logits first (``_add_planes``). Inputs are contiguous.
+    SEL_ROWS; with ``DISPATCH`` there are at least ``SPLIT_PROGRAMS``, the ones past the
+    last row only casting); with ``GIVEN_PLANES`` > 1 the given products are the
+    (T, GIVEN_PLANES * E) ``partial_ptr``, added into the logits first (``_add_planes``).
+    Inputs are contiguous.
+
+    With ``DISPATCH`` the programs also write the Hopper MegaMoE kernel's inputs
+    (``_write_dispatch``, ``dispatch_rows`` rows; the selection adds the routing), between
+    their tile and their wait. Unused pointer arguments are the activations (read only).
     """
     num_experts: tl.constexpr = N_GROUP * PER_GROUP
     if GIVEN_LOGITS:
         first = tl.program_id(0) * ROWS
+        if DISPATCH:
+            _write_dispatch(x_ptr, dispatch_x_ptr, dispatch_scale_ptr, dispatch_weights_ptr,
+                            dispatch_ids_ptr, num_tokens, dispatch_rows, tl.program_id(0),
+                            tl.num_programs(0), HIDDEN, TOP_K)  # fmt: skip
         if GIVEN_PLANES > 1:
             _add_planes(partial_ptr, logits_ptr, first, num_tokens, GIVEN_PLANES,
                         num_experts, E_PAD, ROWS)  # fmt: skip
         select_experts(
             logits_ptr, num_experts, bias_ptr, weights_ptr, ids_ptr, first, num_tokens,
             SCALE, SCORE, PER_GROUP, N_GROUP, TOPK_GROUP, TOP_K, NORM_TOPK_PROB,
-            BLOCK_G, BLOCK_J, BLOCK_K, ROWS,
+            BLOCK_G, BLOCK_J, BLOCK_K, ROWS, DISPATCH, dispatch_weights_ptr, dispatch_ids_ptr,
         )  # fmt: skip
     else:
         column_tiles: tl.constexpr = (num_experts + COLS - 1) // COLS
@@ -402,6 +480,10 @@ def _route_kernel(
         tl.debug_barrier()  # every thread's sums are written before the ticket is taken
         block_ticket = tickets_ptr + _COUNTERS + block
         tl.atomic_add(block_ticket, 1, sem="release")
+        if DISPATCH:
+            _write_dispatch(x_ptr, dispatch_x_ptr, dispatch_scale_ptr, dispatch_weights_ptr,
+                            dispatch_ids_ptr, num_tokens, dispatch_rows, tile_id,
+                            tl.num_programs(0), HIDDEN, TOP_K)  # fmt: skip
         groups: tl.constexpr = ROWS // SEL_ROWS
         block_first = block * ROWS
         waiters = tl.minimum(per_block, _MAX_WAITERS)
@@ -420,7 +502,8 @@ def _route_kernel(
                     select_experts(
                         logits_ptr, num_experts, bias_ptr, weights_ptr, ids_ptr, first,
                         num_tokens, SCALE, SCORE, PER_GROUP, N_GROUP, TOPK_GROUP, TOP_K,
-                        NORM_TOPK_PROB, BLOCK_G, BLOCK_J, BLOCK_K, SEL_ROWS,
+                        NORM_TOPK_PROB, BLOCK_G, BLOCK_J, BLOCK_K, SEL_ROWS, DISPATCH,
+                        dispatch_weights_ptr, dispatch_ids_ptr,
                     )  # fmt: skip
         finished = tl.atomic_add(tickets_ptr + 1, 1, sem="acq_rel")
         if finished == tl.num_programs(0) - 1:
@@ -430,7 +513,7 @@ def _route_kernel(
                 tl.store(tickets_ptr + index, 0, mask=index < used)
 
 
-_launch = KernelLaunch(_route_kernel, runtime_args=10)
+_launch = KernelLaunch(_route_kernel, runtime_args=15)
 
 
 def matmul_tokens_for(num_experts: int) -> int:
@@ -544,10 +627,10 @@ class TritonRouter:
     routed_scaling_factor: float = 1.0
     shapes: tuple[LaunchShape, ...] = LAUNCH_SHAPES
     matmul_tokens: int = field(init=False, compare=False)
-    _plans: dict[tuple[int, int, int, int], _Plan] = field(
+    _plans: dict[tuple[int, int, int, int, bool], _Plan] = field(
         init=False, repr=False, compare=False, default_factory=dict
     )
-    _shared_plans: dict[tuple[LaunchShape, int, int, int, int], _Plan] = field(
+    _shared_plans: dict[tuple[LaunchShape, int, int, int, int, bool], _Plan] = field(
         init=False, repr=False, compare=False, default_factory=dict
     )
 
@@ -577,13 +660,14 @@ class TritonRouter:
                 chosen = shape
         return chosen
 
-    def _plan(self, tokens: int, hidden: int, weight: int, given: int) -> _Plan:
+    def _plan(self, tokens: int, hidden: int, weight: int, given: int, dispatch: bool) -> _Plan:
         """The launch of a call: its shape, hidden-size splits and constants.
 
         ``weight``: ``WEIGHT_BF16``, ``WEIGHT_FP32`` or ``WEIGHT_PLANES``. ``given``: 0 for
         the kernel's own GEMM; else the selection alone, on logits given as that many
         planes of products (1: the logits themselves), planned for 1 token (its programs
-        are one selection step's rows each; the caller sizes the grid).
+        are one selection step's rows each; the caller sizes the grid). ``dispatch``: the
+        launch also writes a ``DispatchBuffer`` (of ``hidden`` columns).
         """
         shape = self._shape(tokens)
         per_group = self.num_experts // self.n_group
@@ -592,7 +676,8 @@ class TritonRouter:
         sel_rows = max(1, min(shape.rows, shape.select_entries // entries))
         block_h = shape.block_h if weight == WEIGHT_BF16 else shape.block_h // 2
         if given:
-            rows, splits, split_size, hidden, block_h = sel_rows, 1, 0, 1, 16
+            rows, splits, split_size, block_h = sel_rows, 1, 0, 16
+            hidden = hidden if dispatch else 1  # the selection reads no activations
             grid = (1, 1, 1)  # the caller's: one program per ``rows`` tokens
         else:
             # Few tiles: split the hidden size too, so that about ``shape.programs`` tiles
@@ -628,12 +713,15 @@ class TritonRouter:
             "E_PAD": triton.next_power_of_2(self.num_experts),
             "ROWS": rows,
             "COLS": shape.cols,
+            "DISPATCH": dispatch,
         }
         constexprs = _launch.constexprs(values)
         warps = shape.num_warps
         return _Plan(grid, split_size, splits, rows, constexprs, warps, (*constexprs, warps))
 
-    def _cached_plan(self, tokens: int, hidden: int, weight: int, given: int) -> _Plan:
+    def _cached_plan(
+        self, tokens: int, hidden: int, weight: int, given: int, dispatch: bool
+    ) -> _Plan:
         """:meth:`_plan`, kept in eager mode (dynamo traces it instead).
 
         Looked up by call size first. A plan depends on the call size only through its
@@ -642,12 +730,13 @@ class TritonRouter:
         1 token (its grid is the caller's), so both caches stay small.
         """
         if torch.compiler.is_compiling():
-            return self._plan(tokens, hidden, weight, given)
-        by_size = (tokens, hidden, weight, given)
+            return self._plan(tokens, hidden, weight, given, dispatch)
+        by_size = (tokens, hidden, weight, given, dispatch)
         plan = self._plans.get(by_size)
         if plan is None:
             shape = self._shape(tokens)
-            by_blocks = (shape, triton.cdiv(tokens, shape.rows), hidden, weight, given)
+            blocks = triton.cdiv(tokens, shape.rows)
+            by_blocks = (shape, blocks, hidden, weight, given, dispatch)
             plan = self._shared_plans.get(by_blocks)
             if plan is None:
                 plan = self._shared_plans[by_blocks] = self._plan(*by_size)
@@ -661,6 +750,7 @@ class TritonRouter:
         tickets: torch.Tensor,
         bias: torch.Tensor | None = None,
         planes: torch.Tensor | None = None,
+        dispatch: DispatchBuffer | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Route ``hidden_states`` (T, H) bf16 with ``weight`` (E, H), bf16 or float32.
 
@@ -673,6 +763,9 @@ class TritonRouter:
             planes: ``router_logits.weight_planes`` of a float32 ``weight``, or None. The
                 kernel's tiles read them instead of splitting the weight in registers (the
                 same products and sums, so the same bits).
+            dispatch: a Hopper MegaMoE kernel's input buffer to fill as well
+                (``backends.base.DispatchBuffer``: the activations in FP8 with their scales,
+                the routing, the padding rows), so that the kernel needs no pre-dispatch.
 
         Calls of ``matmul_tokens`` tokens or more take torch's GEMM for the logits (exact
         products, float32 sums, like the kernel's) and launch the selection alone. With
@@ -686,8 +779,9 @@ class TritonRouter:
 
         Raises:
             ValueError: more tokens than ``tickets`` serves, activations that are not bf16,
-                a weight that is neither bf16 nor float32 or not contiguous, or ``planes``
-                of another shape than (3E, H).
+                a weight that is neither bf16 nor float32 or not contiguous, ``planes``
+                of another shape than (3E, H), or a ``dispatch`` buffer that does not fit
+                the call (:meth:`_check_dispatch`).
         """
         if hidden_states.dtype != torch.bfloat16 or weight.dtype not in _WEIGHT_DTYPES:
             raise ValueError(
@@ -716,13 +810,16 @@ class TritonRouter:
                 f"({PLANES * self.num_experts}, {hidden}), the weight's three bf16 "
                 "parts (router_logits.weight_planes)"
             )
+        if dispatch is not None:
+            self._check_dispatch(dispatch, tokens, hidden)
         if tokens >= self.matmul_tokens:
             if planes is not None:
                 stacked = torch.mm(hidden_states, planes.t(), out_dtype=torch.float32)
                 logits = stacked.new_empty((tokens, self.num_experts))
-                return (*self._select(stacked, bias, PLANES, logits), logits)
+                selected = self._select(stacked, bias, PLANES, logits, hidden_states, dispatch)
+                return (*selected, logits)
             logits = router_logits(hidden_states, weight)
-            return (*self._select(logits, bias), logits)
+            return (*self._select(logits, bias, 1, None, hidden_states, dispatch), logits)
         device = hidden_states.device
         logits = torch.empty((tokens, self.num_experts), dtype=torch.float32, device=device)
         weights = torch.empty((tokens, self.top_k), dtype=torch.float32, device=device)
@@ -733,20 +830,52 @@ class TritonRouter:
             kind, weight = WEIGHT_PLANES, planes
         else:
             kind = WEIGHT_FP32 if weight.dtype == torch.float32 else WEIGHT_BF16
-        plan = self._cached_plan(tokens, hidden, kind, 0)
+        plan = self._cached_plan(tokens, hidden, kind, 0, dispatch is not None)
         if plan.splits > 1:
             partial = torch.empty((plan.splits, tokens, self.num_experts), dtype=torch.float32,
                                   device=device)  # fmt: skip
         else:
             partial = hidden_states  # unused (see _route_kernel)
         bias_or_weight = weight if bias is None else bias
+        written, rows = _dispatch_args(dispatch, hidden_states)
         _launch(
-            _variant(plan, hidden_states, weight, bias_or_weight), plan.grid, device.index,
+            _variant(plan, hidden_states, weight, *written, bias_or_weight), plan.grid,
+            device.index,
             (hidden_states, weight, bias_or_weight, logits, weights, ids, tickets, partial,
-             tokens, plan.split_size),
+             *written, tokens, plan.split_size, rows),
             plan.constexprs, plan.num_warps,
         )  # fmt: skip
         return weights, ids, logits
+
+    def _check_dispatch(self, dispatch: DispatchBuffer, tokens: int, hidden: int) -> None:
+        """Refuse a dispatch buffer whose dtypes or shapes do not fit this call.
+
+        Raises:
+            ValueError: no tokens or more than its rows, a hidden size that is not a
+                multiple of 128, or a tensor of another dtype, shape or layout than
+                ``DispatchBuffer`` describes.
+        """
+        x, scale, ids, weights = dispatch
+        rows = x.shape[0]
+        expected = (
+            (rows, hidden), (rows, hidden // DISPATCH_GROUP), (rows, self.top_k), (rows, self.top_k)
+        )  # fmt: skip
+        if (
+            not 0 < tokens <= rows
+            or hidden % DISPATCH_GROUP
+            or (x.dtype, scale.dtype, ids.dtype, weights.dtype) != _DISPATCH_DTYPES
+            or (x.shape, scale.shape, ids.shape, weights.shape) != expected
+            or not (x.is_contiguous() and scale.is_contiguous())
+            or not (ids.is_contiguous() and weights.is_contiguous())
+        ):
+            found = ", ".join(f"{t.dtype} {tuple(t.shape)}" for t in dispatch)
+            raise ValueError(
+                f"router (triton): a dispatch buffer of {found} for {tokens} tokens of "
+                f"hidden size {hidden}; expected contiguous float8_e4m3fn (rows, H), float32 "
+                f"(rows, H / {DISPATCH_GROUP}), int64 and float32 (rows, top_k={self.top_k}), "
+                f"1 <= tokens <= rows and H a multiple of {DISPATCH_GROUP} (take it from the "
+                "experts' dispatch_buffer())"
+            )
 
     def select(
         self, logits: torch.Tensor, bias: torch.Tensor | None = None
@@ -777,24 +906,48 @@ class TritonRouter:
         bias: torch.Tensor | None,
         planes: int = 1,
         logits: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
+        dispatch: DispatchBuffer | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`select` on contiguous float32 ``given`` (T, planes * E).
 
         With ``planes`` > 1, ``given`` holds each token's products with the weight's parts
-        side by side; the kernel adds them into ``logits`` (T, E) first.
+        side by side; the kernel adds them into ``logits`` (T, E) first. With ``dispatch``
+        (checked by the caller) the launch also fills it from ``hidden_states``.
         """
         tokens = given.shape[0]
         weights = torch.empty((tokens, self.top_k), dtype=torch.float32, device=given.device)
         ids = torch.empty((tokens, self.top_k), dtype=torch.int32, device=given.device)
         if tokens == 0:
             return weights, ids
-        plan = self._cached_plan(1, 1, WEIGHT_BF16, planes)
-        grid = (triton.cdiv(tokens, plan.rows), 1, 1)
+        source = given if hidden_states is None or dispatch is None else hidden_states
+        hidden = 1 if source is given else source.shape[1]
+        plan = self._cached_plan(1, hidden, WEIGHT_BF16, planes, source is not given)
+        programs = triton.cdiv(tokens, plan.rows)
+        if source is not given:  # programs past the rows only cast: spread the cast wider
+            programs = max(programs, SPLIT_PROGRAMS)
+        grid = (programs, 1, 1)
         out = given if logits is None else logits
         bias_or_logits = given if bias is None else bias  # never an alias of ``out``
+        written, rows = _dispatch_args(dispatch if source is not given else None, source)
         _launch(
-            _variant(plan, given, bias_or_logits), grid, given.device.index,
-            (given, given, bias_or_logits, out, weights, ids, ids, given, tokens, 0),
+            _variant(plan, source, given, *written, bias_or_logits), grid, given.device.index,
+            (source, given, bias_or_logits, out, weights, ids, ids, given, *written, tokens, 0,
+             rows),
             plan.constexprs, plan.num_warps,
         )  # fmt: skip
         return weights, ids
+
+
+def _dispatch_args(
+    dispatch: DispatchBuffer | None, unused: torch.Tensor
+) -> tuple[tuple[torch.Tensor, ...], int]:
+    """The kernel's four dispatch pointers (x, scale, weights, ids) and its rows.
+
+    Without a dispatch: ``unused`` four times (a tensor the launch only reads) and 0 rows.
+    """
+    if dispatch is None:
+        return (unused,) * 4, 0
+    return (dispatch.x, dispatch.x_scale, dispatch.topk_weights, dispatch.topk_ids), (
+        dispatch.x.shape[0]
+    )
