@@ -339,3 +339,21 @@ def test_router_compiles_as_one_graph_like_eager() -> None:
     weights, ids = compiled(x)
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=0)
+
+
+def test_a_router_given_a_buffer_where_its_kernel_cannot_run_raises() -> None:
+    from megamoe.core.adapters import SyntheticSizes
+    from megamoe.core.backends.base import DispatchBuffer
+    from megamoe.core.formats import WeightFormat
+    from megamoe.glm5next.config import Glm5NextConfig
+    from megamoe.glm5next.router import Glm5NextRouter
+    from megamoe.glm5next.synthetic import synthetic_config as glm_config
+
+    sizes = SyntheticSizes(num_layers=1, hidden_size=256, intermediate_size=256, num_experts=8,
+                           top_k=2)  # fmt: skip
+    config = Glm5NextConfig.from_dict(glm_config(WeightFormat.FP8_BLOCK, sizes))
+    router = Glm5NextRouter(config, device="cpu")
+    x = torch.zeros(2, config.hidden_size, dtype=torch.bfloat16)
+    buffer = DispatchBuffer(*(torch.zeros(1) for _ in range(4)))
+    with pytest.raises(ValueError, match="dispatch buffer, but the one-launch kernel"):
+        router(x, buffer)
