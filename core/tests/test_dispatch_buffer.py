@@ -64,3 +64,21 @@ def test_no_buffer_before_finalize_or_outside_one_to_max_tokens(
     assert m.dispatch_buffer(torch.zeros(32, 256)) is sentinel  # max_num_tokens
     assert m.dispatch_buffer(torch.zeros(0, 256)) is None
     assert m.dispatch_buffer(torch.zeros(33, 256)) is None  # forward raises its own error
+
+
+def test_a_buffer_fits_only_in_the_documented_dtypes_shapes_and_layout() -> None:
+    from megamoe.core.backends.base import DispatchBuffer
+
+    rows, hidden, top_k = 12, 256, 4
+    good = DispatchBuffer(
+        torch.zeros(rows, hidden, dtype=torch.float8_e4m3fn),
+        torch.zeros(rows, hidden // 128),
+        torch.zeros(rows, top_k, dtype=torch.int64),
+        torch.zeros(rows, top_k),
+    )
+    assert good.fits(hidden, top_k)
+    assert not good.fits(hidden, top_k + 1)
+    assert not good.fits(hidden + 128, top_k)
+    assert not good._replace(topk_ids=good.topk_ids.int()).fits(hidden, top_k)
+    assert not good._replace(x_scale=torch.zeros(hidden // 128, rows).t()).fits(hidden, top_k)
+    assert not good._replace(topk_weights=torch.zeros(rows + 1, top_k)).fits(hidden, top_k)

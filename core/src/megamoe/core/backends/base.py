@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 DISPATCH_GROUP = 128  # columns per float32 scale of the Hopper kernel's FP8 input
 DISPATCH_AMAX_FLOOR = 1e-10  # the Hopper pre-dispatch clamps a group's amax to this
+_DISPATCH_DTYPES = (torch.float8_e4m3fn, torch.float32, torch.int64, torch.float32)
 
 
 class DispatchBuffer(NamedTuple):
@@ -41,6 +42,20 @@ class DispatchBuffer(NamedTuple):
     x_scale: torch.Tensor
     topk_ids: torch.Tensor
     topk_weights: torch.Tensor
+
+    def fits(self, hidden: int, top_k: int) -> bool:
+        """Whether the four tensors have the dtypes, shapes and row-major layout above.
+
+        For ``hidden`` columns (a multiple of ``DISPATCH_GROUP``) and ``top_k`` slots.
+        """
+        rows = self.x.shape[0]
+        shapes = ((rows, hidden), (rows, hidden // DISPATCH_GROUP), (rows, top_k), (rows, top_k))
+        return (
+            hidden % DISPATCH_GROUP == 0
+            and tuple(t.dtype for t in self) == _DISPATCH_DTYPES
+            and tuple(t.shape for t in self) == shapes
+            and all(t.is_contiguous() for t in self)
+        )
 
 
 class ExpertsBackend(abc.ABC):

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from megamoe.core import quant
-from megamoe.core.backends.base import DISPATCH_GROUP, DispatchBuffer, ExpertsBackend
+from megamoe.core.backends.base import DispatchBuffer, ExpertsBackend
 from megamoe.core.backends.deepgemm_layout import (
     KIND_BF16,
     KIND_FP8XFP4,
@@ -211,18 +211,8 @@ def _on_device(device: torch.device) -> Iterator[None]:
 
 def _sm90_dispatch(buf: Any, experts: MegaMoEExperts) -> DispatchBuffer | None:
     """``buf``'s Hopper input rows as a ``DispatchBuffer``, None if they are laid out otherwise."""
-    rows = buf.x.shape[0]
     found = DispatchBuffer(buf.x, buf.x_sf, buf.topk_idx, buf.topk_weights)
-    expected = (
-        ((rows, experts.hidden_size), torch.float8_e4m3fn),
-        ((rows, experts.hidden_size // DISPATCH_GROUP), torch.float32),
-        ((rows, experts.top_k), torch.int64),
-        ((rows, experts.top_k), torch.float32),
-    )
-    for tensor, (shape, dtype) in zip(found, expected, strict=True):
-        if tuple(tensor.shape) != shape or tensor.dtype != dtype or not tensor.is_contiguous():
-            return None
-    return found
+    return found if found.fits(experts.hidden_size, experts.top_k) else None
 
 
 def _contiguous_as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

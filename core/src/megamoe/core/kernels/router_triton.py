@@ -109,7 +109,6 @@ _DISPATCH_GROUP = tl.constexpr(DISPATCH_GROUP)
 _AMAX_FLOOR = tl.constexpr(DISPATCH_AMAX_FLOOR)
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 _WEIGHT_DTYPES = (torch.bfloat16, torch.float32)  # bf16: one product; float32: three
-_DISPATCH_DTYPES = (torch.float8_e4m3fn, torch.float32, torch.int64, torch.float32)
 
 
 def covers(num_experts: int, top_k: int, n_group: int) -> bool:
@@ -855,19 +854,7 @@ class TritonRouter:
                 multiple of 128, or a tensor of another dtype, shape or layout than
                 ``DispatchBuffer`` describes.
         """
-        x, scale, ids, weights = dispatch
-        rows = x.shape[0]
-        expected = (
-            (rows, hidden), (rows, hidden // DISPATCH_GROUP), (rows, self.top_k), (rows, self.top_k)
-        )  # fmt: skip
-        if (
-            not 0 < tokens <= rows
-            or hidden % DISPATCH_GROUP
-            or (x.dtype, scale.dtype, ids.dtype, weights.dtype) != _DISPATCH_DTYPES
-            or (x.shape, scale.shape, ids.shape, weights.shape) != expected
-            or not (x.is_contiguous() and scale.is_contiguous())
-            or not (ids.is_contiguous() and weights.is_contiguous())
-        ):
+        if not 0 < tokens <= dispatch.x.shape[0] or not dispatch.fits(hidden, self.top_k):
             found = ", ".join(f"{t.dtype} {tuple(t.shape)}" for t in dispatch)
             raise ValueError(
                 f"router (triton): a dispatch buffer of {found} for {tokens} tokens of "
