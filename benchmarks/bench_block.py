@@ -2,7 +2,9 @@
 
 For each adapter (Qwen4Exp: softmax router, sigmoid-gated shared expert; GLM-5.3-Flash:
 grouped sigmoid router, SwiGLU clamp, shared expert) and each token count, one run
-measures (CUDA-event medians after warm-up):
+measures (CUDA-event medians after warm-up; every column takes one sample per round,
+``--iters`` rounds, so that the host's drift during the run reaches them alike; the
+graph replays among themselves):
 
 - ``bare``: DeepGEMM's ``mega_moe_pre_dispatch_sm90`` + ``fp8_mega_moe`` on the same
   weights and routing, called directly (no megamoe code in between);
@@ -12,7 +14,7 @@ measures (CUDA-event medians after warm-up):
   synced), ``eager b2b`` (calls queued back to back with no sync between them, as an
   engine's eager prefill queues layer after layer; ``b+s b2b`` queues the bare kernel and
   the shared expert the same way; ``eager host`` and ``b+s host`` are the host time per
-  call of each, ``harness.host_us``) and ``graphed`` (a CUDA graph of it, replayed: the shared
+  call of each, ``harness.host_sample``) and ``graphed`` (a CUDA graph of it, replayed: the shared
   expert beside the router on the auxiliary stream); the other schedules of the same block
   (its ``aux_stream`` swapped): ``aux`` (eager on the auxiliary stream,
   ``use_aux_stream=True``) and ``serial graphed`` (graphed on one stream,
@@ -38,11 +40,12 @@ import torch
 
 from harness import (
     add_shape_args,
-    cuda_back_to_back_ms,
+    back_to_back_sample,
     cuda_graph_replay,
-    cuda_median_ms,
     format_table,
-    host_us,
+    host_sample,
+    interleaved_us,
+    synced_sample,
     write_json,
 )
 from megamoe.core import quant
@@ -85,7 +88,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--shared-intermediate", type=int, default=1536)
     p.add_argument("--tokens", default="1,16,128,256,1024,4096")
     p.add_argument("--adapters", default="qwen4exp,glm5next")
-    p.add_argument("--iters", type=int, default=30)
+    p.add_argument(
+        "--iters", type=int, default=30, help="rounds, and calls per back-to-back or host sample"
+    )
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--no-compile", action="store_true", help="skip the compiled block")
     p.add_argument("--json", default="bench_block.json")
@@ -166,50 +171,60 @@ def measure(
     count: int,
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    """One table row: the block and its parts at ``count`` tokens."""
+    """One table row: the block and its parts at ``count`` tokens, sampled round by round.
+
+    Every column takes one sample per round (``harness.interleaved_us``), so the host's
+    drift during the run reaches the block and its baselines alike; the graph replays are
+    sampled among themselves, after the eager calls.
+    """
     gen = torch.Generator(device="cuda").manual_seed(count)
     x = torch.randn(count, args.hidden, device="cuda", generator=gen).bfloat16()
     router, shared = parts(block, name)
     weights, ids = router(x)
     bare = bare_kernel(block)
+    default = block.aux_stream  # type: ignore[attr-defined]
 
-    def time(fn: Callable[[], object]) -> float:
-        return 1e3 * cuda_median_ms(fn, args.warmup, args.iters)
+    def with_schedule(use_aux_stream: bool) -> Callable[[], torch.Tensor]:
+        """The block called with its shared expert scheduled by ``use_aux_stream``."""
+        schedule = AuxStream(x.device, enabled=use_aux_stream)
 
-    def back_to_back(fn: Callable[[], object]) -> float:
-        return 1e3 * cuda_back_to_back_ms(fn, args.warmup, args.iters)
+        def call() -> torch.Tensor:
+            block.aux_stream = schedule  # type: ignore[attr-defined]
+            try:
+                return block(x)
+            finally:
+                block.aux_stream = default  # type: ignore[attr-defined]
 
-    def scheduled(use_aux_stream: bool, graphed: bool) -> float:
-        """The block's time with its shared expert scheduled by ``use_aux_stream``."""
-        default = block.aux_stream  # type: ignore[attr-defined]
-        block.aux_stream = AuxStream(x.device, enabled=use_aux_stream)
-        try:
-            return time(cuda_graph_replay(lambda: block(x)) if graphed else lambda: block(x))
-        finally:
-            block.aux_stream = default
+        return call
+
+    def bare_and_shared() -> tuple[torch.Tensor, torch.Tensor]:
+        return bare(x, weights, ids), shared(x)
 
     with torch.no_grad():
-        row: dict[str, Any] = {
-            "adapter": name,
-            "tokens": float(count),
-            "bare_us": time(lambda: bare(x, weights, ids)),
-            "router_us": time(lambda: router(x)),
-            "shared_us": time(lambda: shared(x)),
-            "experts_us": time(lambda: block.experts(x, weights, ids)),
-            "eager_us": time(lambda: block(x)),
-            "eager_b2b_us": back_to_back(lambda: block(x)),
-            "bare_shared_b2b_us": back_to_back(lambda: (bare(x, weights, ids), shared(x))[0]),
-            "eager_host_us": host_us(lambda: block(x), args.iters),
-            "bare_shared_host_us": host_us(lambda: (bare(x, weights, ids), shared(x)), args.iters),
-            "aux_us": scheduled(True, graphed=False),
-            "graphed_us": time(cuda_graph_replay(lambda: block(x))),
-            "serial_graphed_us": scheduled(False, graphed=True),
-            "bare_shared_graphed_us": time(
+        eager: dict[str, Callable[[], float]] = {
+            "bare_us": synced_sample(lambda: bare(x, weights, ids)),
+            "router_us": synced_sample(lambda: router(x)),
+            "shared_us": synced_sample(lambda: shared(x)),
+            "experts_us": synced_sample(lambda: block.experts(x, weights, ids)),
+            "eager_us": synced_sample(lambda: block(x)),
+            "eager_b2b_us": back_to_back_sample(lambda: block(x), args.iters),
+            "bare_shared_b2b_us": back_to_back_sample(bare_and_shared, args.iters),
+            "eager_host_us": host_sample(lambda: block(x), args.iters),
+            "bare_shared_host_us": host_sample(bare_and_shared, args.iters),
+            "aux_us": synced_sample(with_schedule(True)),
+        }
+        if compiled is not None:
+            eager["compiled_us"] = synced_sample(lambda: compiled(x))
+        graphed = {
+            "graphed_us": synced_sample(cuda_graph_replay(lambda: block(x))),
+            "serial_graphed_us": synced_sample(cuda_graph_replay(with_schedule(False))),
+            "bare_shared_graphed_us": synced_sample(
                 cuda_graph_replay(lambda: (shared(x), bare(x, weights, ids))[1])
             ),
         }
-        if compiled is not None:
-            row["compiled_us"] = time(lambda: compiled(x))
+        row: dict[str, Any] = {"adapter": name, "tokens": float(count)}
+        row.update(interleaved_us(eager, args.warmup, args.iters))
+        row.update(interleaved_us(graphed, args.warmup, args.iters))
     row["eager_ratio"] = row["eager_us"] / (row["bare_us"] + row["shared_us"])
     row["eager_b2b_ratio"] = row["eager_b2b_us"] / row["bare_shared_b2b_us"]
     row["graphed_ratio"] = row["graphed_us"] / row["bare_shared_graphed_us"]

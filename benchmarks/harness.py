@@ -12,7 +12,7 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,29 +55,77 @@ def cuda_back_to_back_ms(
     """
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(batches):
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / reps)
-    return statistics.median(times)
+    sample = back_to_back_sample(fn, reps)
+    return statistics.median(sample() for _ in range(batches)) / 1e3
 
 
 def host_us(fn: Callable[[], object], reps: int) -> float:
     """Host microseconds per call of ``fn``, ``reps`` calls back to back (no sync between)."""
     fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return 1e6 * elapsed / reps
+    return host_sample(fn, reps)()
+
+
+def interleaved_us(
+    samplers: Mapping[str, Callable[[], float]], warmup: int, rounds: int
+) -> dict[str, float]:
+    """Median microseconds of each sampler, sampled in turn, round after round.
+
+    Each round takes one sample of every sampler, so that a drift of the host's speed (the
+    lent H200's moved 2x within a run) reaches every column alike and the ratios between
+    them stay side by side. Each round starts one sampler later than the last, so that no
+    column always follows the same one: a graph replay right after host-bound eager calls
+    ran up to 25 us slower on the H200 (its clocks had dropped). ``warmup`` samples of each
+    are dropped first. Sample like with like (graph replays apart from eager calls).
+    """
+    for sample in samplers.values():
+        for _ in range(warmup):
+            sample()
+    keys = list(samplers)
+    taken: dict[str, list[float]] = {key: [] for key in keys}
+    for round_ in range(rounds):
+        start = round_ % len(keys)
+        for key in keys[start:] + keys[:start]:
+            taken[key].append(samplers[key]())
+    return {key: statistics.median(values) for key, values in taken.items()}
+
+
+def synced_sample(fn: Callable[[], object]) -> Callable[[], float]:
+    """One call of ``fn`` bracketed by CUDA events and synced on, in us (a sampler).
+
+    Like ``cuda_median_ms``'s calls, it counts the host work before the first kernel.
+    """
+    return back_to_back_sample(fn, 1)
+
+
+def back_to_back_sample(fn: Callable[[], object], reps: int) -> Callable[[], float]:
+    """us per call of ``fn`` queued ``reps`` times with no sync between (a sampler)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def sample() -> float:
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return 1e3 * start.elapsed_time(end) / reps
+
+    return sample
+
+
+def host_sample(fn: Callable[[], object], reps: int) -> Callable[[], float]:
+    """Host us per call of ``fn``, ``reps`` calls back to back (a sampler; see ``host_us``)."""
+
+    def sample() -> float:
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        elapsed = time.perf_counter() - begin
+        torch.cuda.synchronize()
+        return 1e6 * elapsed / reps
+
+    return sample
 
 
 def cuda_graph_replay(fn: Callable[[], object], warmup: int = 3) -> Callable[[], None]:
