@@ -550,7 +550,7 @@ class LaunchShape:
     min_tokens: int
     rows: int = BLOCK_T
     cols: int = BLOCK_E
-    block_h: int = 128
+    block_h: int = 256
     programs: int = SPLIT_PROGRAMS
     select_entries: int = SELECT_ENTRIES
     num_warps: int = 4
@@ -558,7 +558,10 @@ class LaunchShape:
 
 # Under 64 tokens 32-expert tiles, from 64 on 64-expert ones (routers under 256 experts;
 # the larger take cuBLAS's logits there): on the H200 within 1.2 us of the 32-expert tiles
-# for E=64 at 64-128 tokens, faster at 255.
+# for E=64 at 64-128 tokens, faster at 255. Both step 256 hidden indices (128 of a float32
+# weight's parts): against 128, graphed on the H200 at 1-63 tokens, 1-4 us faster for GLM
+# (E=288) and DeepSeek-V3 (E=256), 1.8 us for an E=64 float32 router, 1.1-1.2 us at
+# 128-255 tokens, equal for the bf16 ones (Qwen4-Exp, E=64); 512 was slower (docs/gpu.md).
 LAUNCH_SHAPES = (LaunchShape(1), LaunchShape(64, cols=64))
 # From this many tokens a call takes torch's GEMM (cuBLAS) for the logits and launches the
 # selection alone; from 64 for routers of 256 experts or more, whose weight the kernel's
