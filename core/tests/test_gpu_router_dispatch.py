@@ -166,3 +166,18 @@ def test_a_buffer_that_does_not_fit_is_refused() -> None:
     other_k = _garbage(6)
     with pytest.raises(ValueError, match="top_k=8"):
         router.route(x, weight, tickets, bias, planes, other_k)
+
+
+def test_a_buffer_that_fitted_once_is_still_checked_for_its_rows_and_hidden_size() -> None:
+    router, tickets, weight, bias, planes = _router("softmax-E64-bf16")
+    good = _garbage(8)
+    router.route(_activations(16), weight, tickets, bias, planes, good)  # fits: remembered
+    with pytest.raises(ValueError, match=f"for {ROWS + 1} tokens"):
+        router.route(_activations(ROWS + 1), weight, tickets, bias, planes, good)
+    narrow = _activations(16)[:, : HIDDEN - DISPATCH_GROUP].contiguous()
+    with pytest.raises(ValueError, match=f"hidden size {HIDDEN - DISPATCH_GROUP}"):
+        router.route(narrow, weight[:, : HIDDEN - DISPATCH_GROUP].contiguous(), tickets, bias,
+                     None, good)  # fmt: skip
+    wrong_ids = good._replace(topk_ids=good.topk_ids.int())  # a new tuple: checked again
+    with pytest.raises(ValueError, match=r"dispatch buffer of .*torch.int32"):
+        router.route(_activations(16), weight, tickets, bias, planes, wrong_ids)

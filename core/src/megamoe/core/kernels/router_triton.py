@@ -635,6 +635,9 @@ class TritonRouter:
     _shared_plans: dict[tuple[LaunchShape, int, int, int, int, bool], _Plan] = field(
         init=False, repr=False, compare=False, default_factory=dict
     )
+    _fitting: dict[int, DispatchBuffer] = field(
+        init=False, repr=False, compare=False, default_factory=dict
+    )
 
     def __post_init__(self) -> None:
         if self.score not in (SCORE_SOFTMAX, SCORE_SIGMOID):
@@ -852,12 +855,20 @@ class TritonRouter:
     def _check_dispatch(self, dispatch: DispatchBuffer, tokens: int, hidden: int) -> None:
         """Refuse a dispatch buffer whose dtypes or shapes do not fit this call.
 
+        The last buffer that fitted calls of ``hidden`` columns is kept, and the same tuple
+        again (an immutable tuple of tensors whose dtypes and shapes do not change) skips
+        ``DispatchBuffer.fits``, a few us of host time per eager call (a layer's router
+        gets its experts' one buffer every call). Its rows are checked every call.
+
         Raises:
             ValueError: no tokens or more than its rows, a hidden size that is not a
                 multiple of 128, or a tensor of another dtype, shape or layout than
                 ``DispatchBuffer`` describes.
         """
-        if not 0 < tokens <= dispatch.x.shape[0] or not dispatch.fits(hidden, self.top_k):
+        known = self._fitting.get(hidden) is dispatch
+        if not 0 < tokens <= dispatch.x.shape[0] or not (
+            known or dispatch.fits(hidden, self.top_k)
+        ):
             found = ", ".join(f"{t.dtype} {tuple(t.shape)}" for t in dispatch)
             raise ValueError(
                 f"router (triton): a dispatch buffer of {found} for {tokens} tokens of "
@@ -866,6 +877,8 @@ class TritonRouter:
                 f"1 <= tokens <= rows and H a multiple of {DISPATCH_GROUP} (take it from the "
                 "experts' dispatch_buffer())"
             )
+        if not known:
+            self._fitting[hidden] = dispatch
 
     def select(
         self, logits: torch.Tensor, bias: torch.Tensor | None = None
