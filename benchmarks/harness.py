@@ -74,8 +74,9 @@ def interleaved_us(
     lent H200's moved 2x within a run) reaches every column alike and the ratios between
     them stay side by side. Each round starts one sampler later than the last, so that no
     column always follows the same one: a graph replay right after host-bound eager calls
-    ran up to 25 us slower on the H200 (its clocks had dropped). ``warmup`` samples of each
-    are dropped first. Sample like with like (graph replays apart from eager calls).
+    ran up to 25 us slower on the H200 (most likely its clocks had dropped). ``warmup``
+    samples of each are dropped first. Sample like with like (graph replays apart from
+    eager calls).
     """
     for sample in samplers.values():
         for _ in range(warmup):
