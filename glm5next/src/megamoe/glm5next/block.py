@@ -182,7 +182,8 @@ class Glm5NextMegaMoeBlock(MoEBlock):
         """Routed plus (fused or separate) shared-expert output; see ``MoEBlock.forward``."""
         check_hidden_states(self.prefix, hidden_states, self.config.hidden_size, self.device)
         # The router kernel writes the kernel's inputs itself where it can: no pre-dispatch.
-        dispatch = None if self.gate.kernel is None else self.experts.dispatch_buffer(hidden_states)
+        on_kernel = self.gate.fills_dispatch(hidden_states)
+        dispatch = self.experts.dispatch_buffer(hidden_states) if on_kernel else None
         dispatched = dispatch is not None
         shared_mlp = self.shared_experts
         if shared_mlp is None:

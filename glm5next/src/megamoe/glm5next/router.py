@@ -278,13 +278,14 @@ class Glm5NextRouter(torch.nn.Module):
         Raises:
             ValueError: a ``dispatch`` the kernel does not run for (see ``fills_dispatch``).
         """
-        if dispatch is not None and not self.fills_dispatch(hidden_states):
+        on_kernel = self.fills_dispatch(hidden_states)
+        if dispatch is not None and not on_kernel:
             raise ValueError(
                 f"router: a dispatch buffer, but the one-launch kernel does not run for "
                 f"{hidden_states.dtype} activations on {hidden_states.device} (kernel "
                 f"{'present' if self.kernel is not None else 'absent'}); route without one"
             )
-        if self.fills_dispatch(hidden_states):
+        if on_kernel:
             planes = self.weight_planes
             if (
                 planes is not None

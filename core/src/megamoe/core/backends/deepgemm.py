@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 
@@ -197,6 +197,17 @@ def resolve_kernel(
 def _other_device(device: torch.device) -> bool:
     """Whether ``device`` is a CUDA device other than the current one."""
     return device.type == "cuda" and device.index not in (None, torch.cuda.current_device())
+
+
+_T = TypeVar("_T")
+
+
+def _launch_on(device: torch.device, launch: Callable[..., _T], *args: Any) -> _T:
+    """``launch(*args)`` with ``device`` current (``_on_device`` without its host time)."""
+    if _other_device(device):
+        with torch.cuda.device(device):
+            return launch(*args)
+    return launch(*args)
 
 
 @contextlib.contextmanager
@@ -443,11 +454,10 @@ class DeepGemmBackend(ExpertsBackend):
         """
         kernel, layout = self._checked(experts, hidden_states.shape[0])
         buf = self._entry.buffer  # type: ignore[union-attr]  # _checked: prepared
-        inputs = (hidden_states, topk_weights, topk_ids)
-        if _other_device(experts.device):
-            with torch.cuda.device(experts.device):
-                return self._launch(kernel, layout, buf, experts.hidden_size, *inputs)
-        return self._launch(kernel, layout, buf, experts.hidden_size, *inputs)
+        return _launch_on(
+            experts.device, self._launch, kernel, layout, buf, experts.hidden_size,
+            hidden_states, topk_weights, topk_ids,
+        )  # fmt: skip
 
     def forward_dispatched(self, experts: MegaMoEExperts, tokens: int) -> torch.Tensor:
         """The Hopper kernel on the ``tokens`` tokens a router wrote into the buffer.
@@ -459,10 +469,7 @@ class DeepGemmBackend(ExpertsBackend):
         if self._dispatch is None:
             return super().forward_dispatched(experts, tokens)
         (module, _), layout = self._checked(experts, tokens)
-        if _other_device(experts.device):
-            with torch.cuda.device(experts.device):
-                return self._launch_dispatched(module, layout, experts, tokens)
-        return self._launch_dispatched(module, layout, experts, tokens)
+        return _launch_on(experts.device, self._launch_dispatched, module, layout, experts, tokens)
 
     def _launch_dispatched(
         self, module: ModuleType, layout: KernelLayout, experts: MegaMoEExperts, tokens: int
