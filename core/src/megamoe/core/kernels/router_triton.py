@@ -94,10 +94,11 @@ MAX_GROUPS = 16
 BLOCK_T = 16  # tokens per program at least: the smallest tl.dot tile (and a ticket's block)
 BLOCK_E = 32  # experts per program
 SPLIT_PROGRAMS = 256  # about two programs per SM of an H100/H200 (132 SMs)
-# Hidden-size splits at most (their partial sums cost a pass each). 32 lets an E=64 router
-# take one step per tile: on the H200, 1.0-1.3 us less GPU time for an E=64 float32
-# router at 1-128 tokens than 16 (its steps, ~1.6 us each, outweigh the 16 more partial
-# sums), the others unchanged within 0.1 us (docs/gpu.md).
+# Hidden-size splits at most (their partial sums cost a pass each). Against 16, on the
+# H200: an E=64 float32 router takes one step per tile (~1.6 us each) for 16 more partial
+# sums, 0.5-1.3 us less GPU time at 1-128 tokens; DeepSeek-V3's E=256 two steps instead of
+# four, 1.7 us less at 1-16 tokens; GLM-5.3-Flash, Qwen4-Exp and bf16 E=64 unchanged
+# within 0.1 us (docs/gpu.md).
 MAX_SPLITS = 32
 COUNTERS = 2  # the tickets' first entries: tiles started, programs finished
 MAX_WAITERS = 16  # programs of a token block that wait for its sums and select its rows
