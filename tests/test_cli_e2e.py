@@ -289,6 +289,18 @@ def test_bad_checkpoint_is_one_readable_line(tmp_path: Path, case: str) -> None:
 
 
 @pytest.mark.parametrize("command", ["verify", "convert"])
+def test_a_non_finite_tensor_is_one_line_naming_its_shard(tmp_path: Path, command: str) -> None:
+    src = write_synthetic_checkpoint(tmp_path / "src", "qwen4exp", "bf16", SIZES)
+    _rewrite(src, lambda tensors, name: tensors[name].__setitem__((0, 0), float("nan")))
+    name, shard = _expert_tensor(src)
+    extra = [str(tmp_path / "out"), "--to", "mxfp8"] if command == "convert" else []
+    line = _one_error_line(megamoe(command, str(src), *extra), command)
+    assert "experts.1.down_proj" in line and "non-finite value" in line
+    assert line.endswith(f"; {name} was read from {shard}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # convert left nothing
+
+
+@pytest.mark.parametrize("command", ["verify", "convert"])
 def test_bad_checkpoint_stops_verify_and_convert_before_any_work(
     tmp_path: Path, command: str
 ) -> None:

@@ -191,6 +191,15 @@ def test_fused_experts_read_as_per_expert_slices_of_the_kept_experts(
         reader.get_tensor(f"{experts}.2.up_proj.weight"), fused["gate_up_proj"][2, inter:]
     )
     assert reader.fused_piece(f"{experts}.{SIZES.num_experts}.up_proj.weight") is None
+    # Errors name the file a piece was read from: its fused tensor's.
+    assert reader.source_of(f"{experts}.2.up_proj.weight") == reader.file_of(
+        f"{experts}.gate_up_proj"
+    )
+    assert reader.source_of("model.layers.1.mlp.gate.weight") == reader.file_of(
+        "model.layers.1.mlp.gate.weight"
+    )
+    with pytest.raises(CheckpointError, match=r"no tensor .*experts\.9\.down_proj\.weight"):
+        reader.source_of(f"{experts}.9.down_proj.weight")
     with pytest.raises(CheckpointError, match=r"no tensor .*experts\.9\.up_proj\.weight"):
         reader.get_tensor(f"{experts}.9.up_proj.weight")
 

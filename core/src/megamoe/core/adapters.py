@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Collection, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from megamoe.core.block_setup import EXPERTS
-from megamoe.core.errors import NoAdapterError
+from megamoe.core.errors import CheckpointError, NoAdapterError
 from megamoe.core.expert_names import TensorSpec, expert_tensor_spec, parse_expert_name
 from megamoe.core.fixed_module import FixedModule
 from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
@@ -179,10 +179,30 @@ class MoEBlock(FixedModule):
         Raises:
             CheckpointError: missing, unreadable or mismatching tensors.
             ValueError / IncompleteShardsError / MissingExpertsError: see the block's
-                ``load_weights`` and ``finalize``.
+                ``load_weights`` and ``finalize``. An error raised while a tensor is loaded
+                carries a note (``add_note``) naming the file it was read from.
         """
-        tensors = reader.iter_tensors(self.prefix, keep=self.wants)
-        self.load_weights((name, tensor) for name, tensor in tensors if tensor.numel())
+        last: list[str] = []  # the tensor being loaded, for an error's note
+
+        def tensors() -> Generator[tuple[str, torch.Tensor]]:
+            for name, tensor in reader.iter_tensors(self.prefix, keep=self.wants):
+                if tensor.numel():
+                    last[:] = [name]
+                    yield name, tensor
+                    last.clear()  # taken without error
+
+        stream = tensors()
+        try:
+            self.load_weights(stream)
+        except CheckpointError:
+            raise  # names its file already
+        except Exception as err:
+            if last:
+                full = f"{self.prefix}.{last[0]}"
+                err.add_note(f"{full} was read from {reader.source_of(full)}")
+            raise
+        finally:
+            stream.close()  # an error mid-way leaves no shard open
         self.finalize()
 
 

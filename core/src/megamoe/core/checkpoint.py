@@ -220,6 +220,15 @@ class CheckpointReader:
             raise CheckpointError(f"{self.path}: no tensor {name!r} in the checkpoint")
         return self.path / file
 
+    def source_of(self, name: str) -> Path:
+        """The file ``iter_tensors`` reads tensor ``name`` from (a fused tensor's, for a piece).
+
+        Raises:
+            CheckpointError: no such tensor in the checkpoint.
+        """
+        piece = self.fused_piece(name)
+        return self.file_of(name if piece is None else piece.stored)
+
     def tensor_spec(self, name: str) -> TensorSpec:
         """Dtype and shape of tensor ``name`` as its file's header gives them.
 

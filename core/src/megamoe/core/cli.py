@@ -391,7 +391,8 @@ def _run(args: argparse.Namespace) -> int:
     except Exception as err:
         if args.debug:
             raise
-        _error(args.command, str(err) or type(err).__name__)
+        notes = getattr(err, "__notes__", [])  # e.g. the file a bad tensor was read from
+        _error(args.command, "; ".join([str(err) or type(err).__name__, *notes]))
         return EXIT_USAGE if isinstance(err, UsageError) else EXIT_FAIL
     finally:
         if main_thread:

@@ -421,7 +421,7 @@ def _write(
             bar.set_description(layer.prefix)
             for proj in projections:
                 converted += 1
-                bar.update(_convert_one(layer, proj, fds, writers, dst, block))
+                bar.update(_convert_one(layer, proj, fds, writers, dst, block, reader.path))
         for writer in writers.values():
             writer.close()
     return total, converted
@@ -455,8 +455,15 @@ def _convert_one(
     writers: Mapping[str, ShardWriter],
     dst: WeightFormat,
     block: tuple[int, int],
+    source_dir: Path,
 ) -> int:
-    """Requantize one projection into its output files; returns the source bytes read."""
+    """Requantize one projection into its output files; returns the source bytes read.
+
+    Raises:
+        NonFiniteError / InvalidScaleError: a bad weight or scale; a non-finite value found
+            while requantizing carries a note naming the files under ``source_dir`` that
+            the weight (and its scale) were read from.
+    """
     src = proj.src
     weight = read_tensor(
         fds[proj.weight.file], proj.weight.entry, proj.weight.start, proj.weight.shape
@@ -476,7 +483,14 @@ def _convert_one(
         scale = nvfp4.nvfp4_block_scale(scale, multiplier, proj.name)
         nvfp4.warn_requantized(layer.prefix, src, dst, option="--to")
         read += value.numel() * value.element_size()
-    new_weight, new_scale = quant.requantize(weight, scale, src, dst, block, name=proj.name)
+    try:
+        new_weight, new_scale = quant.requantize(weight, scale, src, dst, block, name=proj.name)
+    except NonFiniteError as err:
+        note = f"{proj.name}.{WEIGHT} was read from {source_dir / proj.weight.file}"
+        if proj.scale is not None and proj.scale.file != proj.weight.file:
+            note += f", its {src.scale_name} from {source_dir / proj.scale.file}"
+        err.add_note(note)
+        raise
     writers[proj.weight.file].write(f"{proj.name}.{WEIGHT}", new_weight)
     scale_file = proj.scale.file if proj.scale is not None else proj.weight.file
     writers[scale_file].write(f"{proj.name}.{dst.scale_name}", new_scale)

@@ -1,0 +1,47 @@
+"""A tensor that fails to load names the shard it was read from (both adapters)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from megamoe.core.adapters import SyntheticSizes
+from megamoe.core.checkpoint import INDEX_FILE, open_checkpoint
+from megamoe.core.errors import NonFiniteError
+from megamoe.core.formats import WeightFormat
+from megamoe.core.parallel import ParallelSettings, single_rank_group
+from megamoe.core.testing import write_synthetic_checkpoint
+
+SIZES = SyntheticSizes(num_layers=2, hidden_size=256, intermediate_size=128, num_experts=4)
+
+
+def _poison(path: Path, needle: str) -> tuple[str, Path]:
+    """Write a NaN into the first tensor whose name contains ``needle``; its name and shard."""
+    weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+    name = next(n for n in sorted(weight_map) if needle in n)
+    shard = path / weight_map[name]
+    tensors = load_file(shard)
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, shard, metadata={"format": "pt"})
+    return name, shard
+
+
+@pytest.mark.parametrize("adapter_name", ["qwen4exp", "glm5next"])
+def test_a_non_finite_expert_tensor_names_its_shard(tmp_path: Path, adapter_name: str) -> None:
+    write_synthetic_checkpoint(
+        tmp_path, adapter_name, WeightFormat.BF16, SIZES, max_shard_bytes=200_000
+    )
+    name, shard = _poison(tmp_path, ".experts.1.down_proj.weight")
+    reader, adapter = open_checkpoint(tmp_path)
+    assert len(set(reader.weight_map.values())) > 2, "expected a sharded checkpoint"
+    layer = next(layer for layer in reader.layers if name.startswith(layer.prefix + "."))
+    block = adapter.build_block(
+        reader.config, layer, parallel=ParallelSettings(ep_group=single_rank_group("cpu")),
+        backend="reference",
+    )  # fmt: skip
+    with pytest.raises(NonFiniteError, match="non-finite") as caught:
+        block.load_from_checkpoint(reader)
+    assert caught.value.__notes__ == [f"{name} was read from {shard}"]
