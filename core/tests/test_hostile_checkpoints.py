@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from untouched import nothing_changes_outside
 
-from megamoe.core import cli
+from megamoe.core import checkpoint_files, cli
 from megamoe.core.adapters import SyntheticSizes
 from megamoe.core.checkpoint import INDEX_FILE, open_checkpoint
 from megamoe.core.convert import convert_checkpoint
@@ -490,3 +490,26 @@ def test_the_no_adapter_error_is_a_lookup_error_too(tmp_path: Path, toy_adapter)
         open_checkpoint(ckpt)
     with pytest.raises(CheckpointError):
         open_checkpoint(ckpt)
+
+
+@pytest.mark.parametrize("layout", ["index", "shards"])
+def test_a_checkpoint_of_too_many_tensors_is_refused_before_its_headers_are_kept(
+    tmp_path: Path, toy_adapter, monkeypatch: pytest.MonkeyPatch, layout: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    ckpt = write_synthetic_checkpoint(
+        tmp_path / "ckpt", "toymoe", "bf16", SIZES, max_shard_bytes=300_000
+    )
+    listed = len(_index(ckpt)["weight_map"])
+    if layout == "index":  # the index alone lists more than the cap
+        monkeypatch.setattr(checkpoint_files, "MAX_TENSORS", listed - 1)
+        message = rf"{INDEX_FILE}: lists {listed} tensors, more than the {listed - 1} a checkpoint"
+    else:  # the index lists few; a shard stores many more it does not list
+        monkeypatch.setattr(checkpoint_files, "MAX_TENSORS", listed + 5)
+        save_file({f"extra.{i}": torch.zeros(1) for i in range(10)}, ckpt / NORM_SHARD)
+        _set_entry(ckpt, "extra.0", NORM_SHARD)
+        message = rf"brings the checkpoint's files to \d+, more than the {listed + 5} a checkpoint"
+    with pytest.raises(CheckpointError, match=message):
+        open_checkpoint(ckpt)
+    assert cli.main(["inspect", str(ckpt)]) == cli.EXIT_FAIL
+    assert _search(message, capsys.readouterr().err)

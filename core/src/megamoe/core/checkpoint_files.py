@@ -14,6 +14,9 @@ names. Everything a checkpoint gives is untrusted input:
   the size safetensors accepted), which raw copies need.
 - **Agreement.** Each tensor the index lists is in the file it names; each tensor of a
   shard is listed, for that shard; no tensor is listed twice or stored in two shards.
+- **Size.** The index and the shards together list at most ``MAX_TENSORS`` tensors, each
+  file counted (by safetensors) before its header is parsed again here; safetensors itself
+  refuses a header over 100 MB, which bounds what one file costs to open.
 
 Every check runs when ``CheckpointFiles`` is built, before any tensor data is read.
 """
@@ -38,6 +41,10 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 REDOWNLOAD = "download or copy the checkpoint again"
 MAX_INDEX_BYTES = 256 << 20  # a real index is a few MB (one line per tensor)
+# Tensors a checkpoint may hold, counted before their headers are parsed in Python: a
+# header entry kept costs about 1 KB of memory, and a hostile 89 MB header of 1.3 million
+# tensors took 2 GB and 28 s to open; GLM-5.3-Flash holds about 80 thousand (by its config).
+MAX_TENSORS = 2_000_000
 
 
 def check_file_name(name: object, where: str) -> str:
@@ -115,6 +122,7 @@ class CheckpointFiles:
         self.index: Path | None = index if index.is_file() else None
         self._resolved: dict[str, Path] = {}
         self._entries: dict[str, dict[str, TensorEntry]] = {}
+        self._counted = 0  # tensors of the files opened so far (``MAX_TENSORS``)
         if self.index is not None:
             self.weight_map = self._read_index(self.index)
             if (path / SINGLE_FILE).is_file() and SINGLE_FILE not in self.weight_map.values():
@@ -159,6 +167,12 @@ class CheckpointFiles:
             raise CheckpointError(
                 f"{index}: not a valid index ('metadata' is a {type(metadata).__name__}, "
                 f'where an index has an object such as {{"total_size": ...}}); {REDOWNLOAD}'
+            )
+        if len(weight_map) > MAX_TENSORS:
+            raise CheckpointError(
+                f"{index}: lists {len(weight_map)} tensors, more than the {MAX_TENSORS} a "
+                f"checkpoint may hold (real ones hold at most a few hundred thousand); "
+                f"{REDOWNLOAD}"
             )
         for name, file in weight_map.items():
             check_file_name(file, f"{index}: weight_map[{name!r}]")
@@ -205,6 +219,14 @@ class CheckpointFiles:
                     f"{shown}: not a readable safetensors file ({err}); the file is truncated "
                     f"or corrupt: {REDOWNLOAD}"
                 ) from None
+            self._counted += len(names)
+            if self._counted > MAX_TENSORS:
+                raise CheckpointError(
+                    f"{shown}: {len(names)} tensors, which brings the checkpoint's files to "
+                    f"{self._counted}, more than the {MAX_TENSORS} a checkpoint may hold (real "
+                    f"ones hold at most a few hundred thousand); the file is damaged or not "
+                    f"a model checkpoint: {REDOWNLOAD}"
+                )
             try:
                 entries = read_header(path)
             except (ValueError, OSError) as err:
