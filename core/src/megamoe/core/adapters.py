@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from megamoe.core.block_setup import EXPERTS
-from megamoe.core.errors import CheckpointError, NoAdapterError
+from megamoe.core.errors import CheckpointError, NoAdapterError, note_source
 from megamoe.core.expert_names import TensorSpec, expert_tensor_spec, parse_expert_name
 from megamoe.core.fixed_module import FixedModule
 from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
@@ -199,7 +199,7 @@ class MoEBlock(FixedModule):
         except Exception as err:
             if last:
                 full = f"{self.prefix}.{last[0]}"
-                err.add_note(f"{full} was read from {reader.source_of(full)}")
+                note_source(err, full, reader.source_of(full))
             raise
         finally:
             stream.close()  # an error mid-way leaves no shard open

@@ -122,7 +122,6 @@ class CheckpointFiles:
         self.index: Path | None = index if index.is_file() else None
         self._resolved: dict[str, Path] = {}
         self._entries: dict[str, dict[str, TensorEntry]] = {}
-        self._counted = 0  # tensors of the files opened so far (``MAX_TENSORS``)
         if self.index is not None:
             self.weight_map = self._read_index(self.index)
             if (path / SINGLE_FILE).is_file() and SINGLE_FILE not in self.weight_map.values():
@@ -219,11 +218,11 @@ class CheckpointFiles:
                     f"{shown}: not a readable safetensors file ({err}); the file is truncated "
                     f"or corrupt: {REDOWNLOAD}"
                 ) from None
-            self._counted += len(names)
-            if self._counted > MAX_TENSORS:
+            counted = len(names) + sum(map(len, self._entries.values()))
+            if counted > MAX_TENSORS:
                 raise CheckpointError(
                     f"{shown}: {len(names)} tensors, which brings the checkpoint's files to "
-                    f"{self._counted}, more than the {MAX_TENSORS} a checkpoint may hold (real "
+                    f"{counted}, more than the {MAX_TENSORS} a checkpoint may hold (real "
                     f"ones hold at most a few hundred thousand); the file is damaged or not "
                     f"a model checkpoint: {REDOWNLOAD}"
                 )

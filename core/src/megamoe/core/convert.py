@@ -43,7 +43,7 @@ from megamoe.core.convert_output import (
     remove_stale_partials,
     write_new,
 )
-from megamoe.core.errors import CheckpointError, NonFiniteError, UsageError
+from megamoe.core.errors import CheckpointError, NonFiniteError, UsageError, note_source
 from megamoe.core.expert_names import (
     CT_GLOBAL_SCALE,
     EXPERT_PROJS,
@@ -483,16 +483,15 @@ def _convert_one(
         scale = nvfp4.nvfp4_block_scale(scale, multiplier, proj.name)
         nvfp4.warn_requantized(layer.prefix, src, dst, option="--to")
         read += value.numel() * value.element_size()
+    scale_file = proj.scale.file if proj.scale is not None else proj.weight.file
     try:
         new_weight, new_scale = quant.requantize(weight, scale, src, dst, block, name=proj.name)
     except NonFiniteError as err:
-        note = f"{proj.name}.{WEIGHT} was read from {source_dir / proj.weight.file}"
-        if proj.scale is not None and proj.scale.file != proj.weight.file:
-            note += f", its {src.scale_name} from {source_dir / proj.scale.file}"
-        err.add_note(note)
+        apart = scale_file != proj.weight.file
+        also = f", its {src.scale_name} from {source_dir / scale_file}" if apart else ""
+        note_source(err, f"{proj.name}.{WEIGHT}", source_dir / proj.weight.file, also)
         raise
     writers[proj.weight.file].write(f"{proj.name}.{WEIGHT}", new_weight)
-    scale_file = proj.scale.file if proj.scale is not None else proj.weight.file
     writers[scale_file].write(f"{proj.name}.{dst.scale_name}", new_scale)
     return read + weight.numel() * weight.element_size()
 

@@ -25,6 +25,14 @@ def format_keys(keys: Iterable[Hashable]) -> str:
     return shown + (f" and {more} more" if more > 0 else "")
 
 
+def note_source(err: BaseException, name: str, path: object, also: str = "") -> None:
+    """Add to ``err`` the note of where tensor ``name`` was read: ``path`` (then ``also``).
+
+    The CLI prints an error's notes on its one line; a traceback shows them below it.
+    """
+    err.add_note(f"{name} was read from {path}{also}")
+
+
 def refuse_meta_tensor(what: str, tensor: Any) -> None:
     """Raise ``ValueError`` naming ``what`` when ``tensor`` is a meta tensor (no data).
 
