@@ -8,7 +8,10 @@ graph replays among themselves):
 
 - ``bare``: DeepGEMM's ``mega_moe_pre_dispatch_sm90`` + ``fp8_mega_moe`` on the same
   weights and routing, called directly (no megamoe code in between);
-- the block's parts alone: ``router``, ``shared`` expert, ``experts`` module;
+- the block's parts alone: ``router``, ``shared`` expert, ``experts`` module; beside the
+  router ``one mm``, a single eager ``torch.mm`` of the activations with a bf16 (E, H)
+  matrix: the least any router launches, so ``router/one mm`` is how far the router's
+  eager call is from one launch of torch on the same host;
 - the block as built by default (``use_aux_stream="graphs"``): ``eager`` (the shared
   expert issued after the MegaMoE launch on the same stream; each call timed alone and
   synced), ``eager b2b`` (calls queued back to back with no sync between them, as an
@@ -23,8 +26,13 @@ graph replays among themselves):
 
 and the ratios the engine-speed issue targets: eager / (bare + shared expert), the same
 back to back (eager b2b / b+s b2b), and the graphed blocks over a CUDA graph of just the
-bare kernel and the shared expert. Weights are random block-FP8 made on the GPU (no
-checkpoint).
+bare kernel and the shared expert: each replay synced (``graphed``, which also counts the
+graph's launch latency) and replays queued back to back (``graphed b2b``: the GPU time per
+replay, as an engine's graph of many layers sees it, launched once per step). Beside them
+``all-SM graphed`` (``b2b`` too): the block's graph captured with the auxiliary stream's
+shared-expert GEMMs left to cuBLAS's default SM count (no ``AuxStream.sm_target``);
+``serial graphed b2b``; ``router graphed b2b``: the router's GPU time per call. Weights are
+random block-FP8 made on the GPU (no checkpoint).
 
     python benchmarks/bench_block.py                   # E=64, top-8, H=4096, I=1536, shared 1536
     python benchmarks/bench_block.py --tokens 1,128 --adapters glm5next --json block.json
@@ -63,6 +71,8 @@ COLUMNS = (
     ("tokens", ">6.0f", "tokens"),
     ("bare", ">7.1f", "bare_us"),
     ("router", ">7.1f", "router_us"),
+    ("one mm", ">7.1f", "one_mm_us"),
+    ("router/one mm", ">13.2f", "router_mm_ratio"),
     ("shared", ">7.1f", "shared_us"),
     ("experts", ">8.1f", "experts_us"),
     ("eager", ">7.1f", "eager_us"),
@@ -79,6 +89,14 @@ COLUMNS = (
     ("eager b2b/(b+s) b2b", ">19.2f", "eager_b2b_ratio"),
     ("graphed/(b+s) graphed", ">21.2f", "graphed_ratio"),
     ("serial graphed/(b+s) graphed", ">28.2f", "serial_graphed_ratio"),
+    ("graphed b2b", ">11.1f", "graphed_b2b_us"),
+    ("b+s graphed b2b", ">15.1f", "bare_shared_graphed_b2b_us"),
+    ("graphed b2b/(b+s)", ">17.2f", "graphed_b2b_ratio"),
+    ("all-SM graphed", ">14.1f", "all_sm_graphed_us"),
+    ("all-SM graphed b2b", ">18.1f", "all_sm_graphed_b2b_us"),
+    ("all-SM b2b/(b+s)", ">16.2f", "all_sm_graphed_b2b_ratio"),
+    ("serial graphed b2b", ">18.1f", "serial_graphed_b2b_us"),
+    ("router graphed b2b", ">18.1f", "router_graphed_b2b_us"),
 )
 
 
@@ -183,6 +201,7 @@ def measure(
     weights, ids = router(x)
     bare = bare_kernel(block)
     default = block.aux_stream  # type: ignore[attr-defined]
+    logits_weight = torch.randn(args.experts, args.hidden, device="cuda", generator=gen).bfloat16()
 
     def with_schedule(use_aux_stream: bool) -> Callable[[], torch.Tensor]:
         """The block called with its shared expert scheduled by ``use_aux_stream``."""
@@ -197,6 +216,15 @@ def measure(
 
         return call
 
+    def all_sms() -> torch.Tensor:
+        """The block with its auxiliary stream's shared GEMMs on cuBLAS's default SM count."""
+        target = block.aux_stream.sm_target  # type: ignore[attr-defined]
+        carveout, target.carveout = target.carveout, None
+        try:
+            return block(x)
+        finally:
+            target.carveout = carveout
+
     def bare_and_shared() -> tuple[torch.Tensor, torch.Tensor]:
         return bare(x, weights, ids), shared(x)
 
@@ -204,6 +232,7 @@ def measure(
         eager: dict[str, Callable[[], float]] = {
             "bare_us": synced_sample(lambda: bare(x, weights, ids)),
             "router_us": synced_sample(lambda: router(x)),
+            "one_mm_us": synced_sample(lambda: torch.mm(x, logits_weight.t())),
             "shared_us": synced_sample(lambda: shared(x)),
             "experts_us": synced_sample(lambda: block.experts(x, weights, ids)),
             "eager_us": synced_sample(lambda: block(x)),
@@ -215,20 +244,35 @@ def measure(
         }
         if compiled is not None:
             eager["compiled_us"] = synced_sample(lambda: compiled(x))
+        block_graph = cuda_graph_replay(lambda: block(x))
+        serial_graph = cuda_graph_replay(with_schedule(False))
+        bare_shared_graph = cuda_graph_replay(lambda: (shared(x), bare(x, weights, ids))[1])
+        all_sm_graph = cuda_graph_replay(all_sms)
         graphed = {
-            "graphed_us": synced_sample(cuda_graph_replay(lambda: block(x))),
-            "serial_graphed_us": synced_sample(cuda_graph_replay(with_schedule(False))),
-            "bare_shared_graphed_us": synced_sample(
-                cuda_graph_replay(lambda: (shared(x), bare(x, weights, ids))[1])
+            "graphed_us": synced_sample(block_graph),
+            "serial_graphed_us": synced_sample(serial_graph),
+            "bare_shared_graphed_us": synced_sample(bare_shared_graph),
+            "all_sm_graphed_us": synced_sample(all_sm_graph),
+            "graphed_b2b_us": back_to_back_sample(block_graph, args.iters),
+            "serial_graphed_b2b_us": back_to_back_sample(serial_graph, args.iters),
+            "bare_shared_graphed_b2b_us": back_to_back_sample(bare_shared_graph, args.iters),
+            "all_sm_graphed_b2b_us": back_to_back_sample(all_sm_graph, args.iters),
+            "router_graphed_b2b_us": back_to_back_sample(
+                cuda_graph_replay(lambda: router(x)), args.iters
             ),
         }
         row: dict[str, Any] = {"adapter": name, "tokens": float(count)}
         row.update(interleaved_us(eager, args.warmup, args.iters))
         row.update(interleaved_us(graphed, args.warmup, args.iters))
+    row["router_mm_ratio"] = row["router_us"] / row["one_mm_us"]
     row["eager_ratio"] = row["eager_us"] / (row["bare_us"] + row["shared_us"])
     row["eager_b2b_ratio"] = row["eager_b2b_us"] / row["bare_shared_b2b_us"]
     row["graphed_ratio"] = row["graphed_us"] / row["bare_shared_graphed_us"]
     row["serial_graphed_ratio"] = row["serial_graphed_us"] / row["bare_shared_graphed_us"]
+    row["graphed_b2b_ratio"] = row["graphed_b2b_us"] / row["bare_shared_graphed_b2b_us"]
+    row["all_sm_graphed_b2b_ratio"] = (
+        row["all_sm_graphed_b2b_us"] / row["bare_shared_graphed_b2b_us"]
+    )
     return row
 
 

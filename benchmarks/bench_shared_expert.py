@@ -15,7 +15,10 @@ casts and the SwiGLU), with the fp8 / bf16 ratios and the weights' resident MiB.
 them ``torch act``: the bf16 MLP with its SwiGLU as torch operations (clamp, silu,
 multiply) instead of the one Triton launch it takes on CUDA
 (``megamoe.core.kernels.swiglu_triton``), eager and graphed, and the bf16 / torch act
-ratios. Weights are random block-FP8 made on the GPU.
+ratios; and ``half SMs graphed``: the bf16 MLP's graph captured with its GEMMs sized for
+half the SMs (``megamoe.core.gemm_sm_target.GemmSmTarget``, which the blocks' auxiliary
+stream applies up to ``SMALL_GEMM_ROWS`` tokens; here at every size), over the plain bf16
+graph. Weights are random block-FP8 made on the GPU.
 
     python benchmarks/bench_shared_expert.py                      # H=4096, 1..4096 tokens
     python benchmarks/bench_shared_expert.py --tokens 1,128 --json shared.json
@@ -32,6 +35,7 @@ import torch
 from harness import cuda_graph_replay, cuda_median_ms, format_table, write_json
 from megamoe.core import quant
 from megamoe.core.formats import WeightFormat
+from megamoe.core.gemm_sm_target import GemmSmTarget
 from megamoe.core.memory import distinct_storage_bytes
 from megamoe.core.shared_expert import SwiGLUMLP
 
@@ -53,6 +57,8 @@ COLUMNS = (
     ("torch act graphed", ">17.1f", "torch_act_graphed_us"),
     ("bf16/torch act", ">14.2f", "act_eager_ratio"),
     ("bf16/torch act graphed", ">22.2f", "act_graphed_ratio"),
+    ("half SMs graphed", ">16.1f", "half_sms_graphed_us"),
+    ("half SMs/bf16 graphed", ">21.2f", "half_sms_ratio"),
     ("bf16 MiB", ">8.1f", "bf16_mib"),
     ("fp8 MiB", ">7.1f", "fp8_mib"),
 )
@@ -118,6 +124,7 @@ def rows(
     torch_act._swiglu_rows = None  # the baseline: the torch expression the kernel replaces
     # One graph per path for every token count (inductor fuses the casts and the SwiGLU).
     compiled = {g: torch.compile(m, fullgraph=True, dynamic=True) for g, m in mlps.items()}
+    half_sms = GemmSmTarget("cuda")
 
     for count in (int(t) for t in args.tokens.split(",")):
         gen = torch.Generator(device="cuda").manual_seed(count)
@@ -134,6 +141,11 @@ def rows(
         )
         row["act_eager_ratio"] = row["bf16_eager_us"] / row["torch_act_eager_us"]
         row["act_graphed_ratio"] = row["bf16_graphed_us"] / row["torch_act_graphed_us"]
+        bf16 = mlps["bf16"]
+        with torch.no_grad():  # rows=0: under the target whatever the token count
+            half = cuda_graph_replay(lambda: half_sms.run(0, lambda: bf16(x)))  # noqa: B023
+            row["half_sms_graphed_us"] = 1e3 * cuda_median_ms(half, args.warmup, args.iters)
+        row["half_sms_ratio"] = row["half_sms_graphed_us"] / row["bf16_graphed_us"]
         row["bf16_mib"], row["fp8_mib"] = mib["bf16"], mib["deep_gemm"]
         print(f"{model} I={inter} {count} tokens: done", flush=True)
         yield row

@@ -30,6 +30,7 @@ from megamoe.core.fp8_gemm import (
     fp8_gemm_nt,
     resolve_shared_gemm,
 )
+from megamoe.core.gemm_sm_target import GemmSmTarget
 from megamoe.core.kernels import TRITON_AVAILABLE
 from megamoe.core.pairing import PROJ_TO_SHARD, ShardPairing
 from megamoe.core.swiglu import check_swiglu_limit, gate_up_bounds, swiglu_gate_up
@@ -334,7 +335,10 @@ class AuxStream:
       instead of delaying its start.
     - auxiliary stream (``enabled=True`` on CUDA): the shared expert is issued first on a
       second stream, beside the router, and joined before the MegaMoE launch. Its GPU
-      work then overlaps the router's, at the host cost of the stream switches.
+      work then overlaps the router's, at the host cost of the stream switches. Up to
+      ``gemm_sm_target.SMALL_GEMM_ROWS`` tokens its cuBLAS GEMMs are sized for half the
+      SMs (``sm_target``, ``megamoe.core.gemm_sm_target``), so that the router starts
+      beside them instead of waiting for SMs.
     - ``enabled=AUX_IN_GRAPHS`` (``"graphs"``, the blocks' default): the auxiliary stream
       while a CUDA graph is being captured (the replay pays no host cost for it), serial
       otherwise. On the H200 (``benchmarks/bench_block.py``, ``docs/gpu.md``) the auxiliary
@@ -360,14 +364,20 @@ class AuxStream:
             torch.cuda.Stream(device=device) if enabled and device.type == "cuda" else None
         )
         self.only_in_graphs = enabled == AUX_IN_GRAPHS
+        self.sm_target = GemmSmTarget(device if self.stream is not None else None)
 
     def schedule(
         self,
         shared: Callable[[], Parts],
         route: Callable[[], tuple[torch.Tensor, torch.Tensor]],
         experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        *,
+        tokens: int,
     ) -> tuple[torch.Tensor, Parts]:
         """Run ``experts(*route())`` and ``shared()`` in this stream's order.
+
+        ``tokens`` (the rows of the block's input) decides whether ``shared``'s GEMMs on the
+        auxiliary stream get ``sm_target``.
 
         Returns:
             The experts' output and the shared expert's tensors.
@@ -379,7 +389,7 @@ class AuxStream:
         ):
             routed = experts(*route())
             return routed, shared()
-        join = self.launch(shared)
+        join = self.launch(lambda: self.sm_target.run(tokens, shared))
         routing = route()
         side = join()  # before the MegaMoE launch: it needs every SM
         return experts(*routing), side

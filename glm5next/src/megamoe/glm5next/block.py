@@ -193,6 +193,7 @@ class Glm5NextMegaMoeBlock(MoEBlock):
             lambda: (shared_mlp(hidden_states),),
             lambda: self.gate(hidden_states, dispatch),
             lambda weights, ids: self.experts(hidden_states, weights, ids, dispatched=dispatched),
+            tokens=hidden_states.shape[0],
         )
         return routed + shared  # bf16 + bf16 adds in float32 and rounds once, one kernel
 

@@ -219,6 +219,7 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
             lambda weights, ids: self.experts(
                 hidden_states, weights, ids, dispatched=dispatch is not None
             ),
+            tokens=hidden_states.shape[0],
         )
         return self.combine(routed, shared, hidden_states)
 
