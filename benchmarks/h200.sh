@@ -36,6 +36,13 @@ run python3 -m nox -s gpu_tests -- -q -p no:cacheprovider -p no:benchmark -n 8 -
 run python3 benchmarks/bench_requant.py --torch-reps 2 --json "$out/requant.json"
 run python3 benchmarks/bench_forward.py --tokens 1,16,128,256,1024,4096 --json "$out/forward.json"
 run python3 benchmarks/bench_block.py --tokens 1,16,128,256,1024,4096 --json "$out/block.json"
+# The same blocks at the real models' sizes (one layer, one rank): GLM-5.3-Flash, Qwen4-Exp.
+run python3 benchmarks/bench_block.py --adapters glm5next --experts 288 --top-k 8 --hidden 4096 \
+  --intermediate 2048 --shared-intermediate 2048 --tokens 1,16,64,256 --iters 15 --no-compile \
+  --json "$out/block_glm5next_real.json"
+run python3 benchmarks/bench_block.py --adapters qwen4exp --experts 512 --top-k 10 --hidden 2048 \
+  --intermediate 512 --shared-intermediate 512 --tokens 1,16,64,256 --iters 15 --no-compile \
+  --json "$out/block_qwen4exp_real.json"
 run python3 benchmarks/bench_glm_requant.py --devices cuda --chunks 1,8 --json "$out/glm_requant.json"
 run python3 benchmarks/bench_load.py --reps 2 --json "$out/load.json"
 run python3 benchmarks/bench_router.py --json "$out/router.json"
