@@ -87,6 +87,9 @@ def _consume_torch_notices(carveout: int) -> None:
 class GemmSmTarget:
     """Runs small bf16 GEMMs on ``device`` with cuBLASLt sized for part of the SMs.
 
+    Only cuBLAS GEMMs issued inside :meth:`run` are affected: the ``deep_gemm`` shared
+    expert's FP8 GEMMs and Triton kernels size their own grids.
+
     Args:
         device: where the GEMMs run; on anything but a CUDA device (and on torch builds
             without the carve-out) :meth:`run` just calls its function.
