@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from harness import cuda_graph_replay, cuda_median_ms, format_table, write_json
-from megamoe.core.kernels import one_launch_router
+from megamoe.core.kernels import one_launch_router, router_scratch
 from megamoe.core.router_logits import router_logits
 from megamoe.glm5next.config import Glm5NextConfig
 from megamoe.glm5next.router import Glm5NextRouter, route_logits
@@ -100,11 +100,12 @@ def build(name: str) -> Router:
             "softmax", 4096, "cuda", num_experts=num_experts, top_k=top_k, norm_topk_prob=True
         )
         assert kernel is not None and tickets is not None
+        scratch = router_scratch(kernel, 4096, hidden, "cuda")  # as Qwen4Exp's block keeps it
         return Router(
             hidden,
             lambda x: router_logits(x, weight),
             lambda x: softmax_topk(router_logits(x, weight), top_k, True),
-            lambda x: kernel.route(x, weight, tickets),
+            lambda x: kernel.route(x, weight, tickets, scratch=scratch),
             kernel.select,
         )
     config = Glm5NextConfig.from_dict(

@@ -27,6 +27,25 @@ BLOCK = 128  # FP8 scale block edge, and the granularity of the seeded weight ga
 GAIN_RANGE = (0.5, 2.0)  # log-uniform gains per block, per expert and per projection
 BIAS_STD = 0.1  # e_score_correction_bias: the size of a few selection-score gaps
 INDEX_NAME = "model.safetensors.index.json"
+# Text-config sizes the Hopper kernel runs (tests/test_gpu_deepgemm.py's): a tiny model of
+# either family at these sizes goes through the GPU kernel (GPU tests).
+KERNEL_SIZES: dict[str, dict[str, int]] = {
+    "qwen4_exp": dict(
+        hidden_size=2048,
+        moe_intermediate_size=768,
+        shared_expert_intermediate_size=768,
+        num_experts=32,
+        num_experts_per_tok=8,
+    ),
+    "glm5_next": dict(
+        hidden_size=2048,
+        moe_intermediate_size=768,
+        n_routed_experts=32,
+        num_experts_per_tok=8,
+        n_group=4,
+        topk_group=2,
+    ),
+}
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 _ROUTED = dict(

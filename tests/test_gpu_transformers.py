@@ -43,23 +43,6 @@ pytestmark = [
 
 FAMILIES = ("qwen4_exp", "glm5_next")
 SWIGLU_LIMIT = 1.5
-KERNEL_SIZES = {  # the sizes tests/test_gpu_deepgemm.py runs the kernel at
-    "qwen4_exp": dict(
-        hidden_size=2048,
-        moe_intermediate_size=768,
-        shared_expert_intermediate_size=768,
-        num_experts=32,
-        num_experts_per_tok=8,
-    ),
-    "glm5_next": dict(
-        hidden_size=2048,
-        moe_intermediate_size=768,
-        n_routed_experts=32,
-        num_experts_per_tok=8,
-        n_group=4,
-        topk_group=2,
-    ),
-}
 # The kernel is 0.045 from a float64 layer (docs/gpu.md); over two MoE layers about
 # sqrt(2) times that (0.064). Measured on the H200 (sgl-deep-gemm 0.1.4.post1) on the
 # prompts routed alike: 0.051..0.070 (Qwen4-Exp), 0.053..0.078 (GLM-5.3-Flash).
@@ -100,7 +83,7 @@ def test_block_fp8_model_on_the_kernel_matches_eager(tmp_path: Path, family: str
         same_routing,
     )
     from transformers.utils.quantization_config import FineGrainedFP8Config
-    from transformers_oracle import build_tiny_model, save_checkpoint
+    from transformers_oracle import KERNEL_SIZES, build_tiny_model, save_checkpoint
 
     import megamoe.transformers
 

@@ -298,3 +298,44 @@ def test_a_call_makes_no_host_sync(kernels) -> None:
     router, tickets, weight, bias = _router(kernels, "qwen4exp-E512")
     x = torch.randn(64, HIDDEN, device="cuda").bfloat16()
     assert_no_host_sync(lambda: router.route(x, weight, tickets, bias))
+
+
+@pytest.mark.parametrize("name", list(ROUTERS))
+def test_a_scratch_gives_the_fresh_tensors_bits(kernels, name: str) -> None:
+    """With a ``scratch`` the one launch writes its logits and partial sums there instead of
+    fresh tensors: the same weights, ids and logits bit for bit at every tiling (few tokens:
+    many hidden-size splits; a partial block; the larger tiles; from ``matmul_tokens``,
+    where the scratch is not used), the logits a view of it, whose size
+    (``scratch_floats``) covers every call size under ``matmul_tokens``."""
+    from megamoe.core.kernels import router_scratch
+    from megamoe.core.kernels.router_triton import (
+        WEIGHT_BF16,
+        WEIGHT_FP32,
+        WEIGHT_PLANES,
+        _scratch_end,
+    )
+
+    router, tickets, weight, bias = _router(kernels, name)
+    scratch = router_scratch(router, 1024, HIDDEN, "cuda")
+    assert scratch is not None
+    for tokens in range(1, router.matmul_tokens):
+        for kind in (WEIGHT_BF16, WEIGHT_FP32, WEIGHT_PLANES):
+            splits = router._plan(tokens, HIDDEN, kind, 0, False).splits
+            assert _scratch_end(tokens * weight.shape[0], splits) <= scratch.numel(), tokens
+    for tokens in (1, 7, 17, 64, 200, router.matmul_tokens):
+        x = torch.randn(tokens, HIDDEN, device="cuda").bfloat16()
+        fresh = router.route(x, weight, tickets, bias)
+        scratch.fill_(float("nan"))  # nothing of an earlier call may leak into this one
+        kept = router.route(x, weight, tickets, bias, scratch=scratch)
+        for field, a, b in zip(("weights", "ids", "logits"), kept, fresh, strict=True):
+            assert_bitwise_equal(a, b, f"{name}, {tokens} tokens, {field} with a scratch")
+        if tokens < router.matmul_tokens:
+            assert kept[2].data_ptr() == scratch.data_ptr(), "the logits are not the scratch's"
+
+
+def test_a_scratch_too_small_is_refused(kernels) -> None:
+    router, tickets, weight, bias = _router(kernels, "glm-sigmoid-E288")
+    x = torch.randn(1, HIDDEN, device="cuda").bfloat16()
+    small = torch.empty(288, device="cuda")  # the logits fit; the partial sums do not
+    with pytest.raises(ValueError, match=r"scratch of 288 torch.float32 entries; a call of 1"):
+        router.route(x, weight, tickets, bias, scratch=small)

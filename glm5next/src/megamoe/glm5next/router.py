@@ -20,7 +20,7 @@ from typing import TypedDict, Unpack
 import torch
 
 from megamoe.core.backends.base import DispatchBuffer
-from megamoe.core.kernels import TRITON_AVAILABLE, one_launch_router
+from megamoe.core.kernels import TRITON_AVAILABLE, one_launch_router, router_scratch
 from megamoe.core.router_logits import PLANES, router_logits, weight_planes
 from megamoe.glm5next.config import ROUTER_TOP2, Glm5NextConfig
 
@@ -249,6 +249,10 @@ class Glm5NextRouter(torch.nn.Module):
         )
         self.tickets: torch.Tensor
         self.register_buffer("tickets", tickets, persistent=False)
+        self.scratch: torch.Tensor | None
+        self.register_buffer(
+            "scratch", router_scratch(self.kernel, max_num_tokens, hidden, device), persistent=False
+        )
         planes = None
         on_cuda = device is not None and torch.device(device).type == "cuda"
         if self.kernel is not None and on_cuda and max_num_tokens >= self.kernel.matmul_tokens:
@@ -273,7 +277,8 @@ class Glm5NextRouter(torch.nn.Module):
         """Routing weights (float32) and expert ids (int32) of each token, (tokens, top_k).
 
         ``dispatch``: the experts' ``dispatch_buffer()`` for this call, which the kernel
-        fills too (the block passes it where :meth:`fills_dispatch` holds).
+        fills too (the block passes it where :meth:`fills_dispatch` holds); the routing
+        returned is then that buffer's first rows (ids int64), valid until its next use.
 
         Raises:
             ValueError: a ``dispatch`` the kernel does not run for (see ``fills_dispatch``).
@@ -295,7 +300,7 @@ class Glm5NextRouter(torch.nn.Module):
                 self.refresh_planes()  # the weight was written since (traced: finalize did)
             weights, ids, _ = self.kernel.route(  # type: ignore[union-attr]  # fills_dispatch
                 hidden_states, self.weight, self.tickets, self.e_score_correction_bias, planes,
-                dispatch,
+                dispatch, self.scratch,
             )  # fmt: skip
             return weights, ids
         return route_logits(

@@ -13,7 +13,7 @@ from megamoe.core.block_setup import EXPERTS, BlockOptions, check_hidden_states,
 from megamoe.core.dense_update import DenseUpdate, discard_on_error
 from megamoe.core.errors import IncompleteShardsError, MissingExpertsError
 from megamoe.core.expert_names import WEIGHT, WEIGHT_PACKED
-from megamoe.core.kernels import TRITON_AVAILABLE, one_launch_router
+from megamoe.core.kernels import TRITON_AVAILABLE, one_launch_router, router_scratch
 from megamoe.core.parallel import ParallelSettings
 from megamoe.core.quant_config import detect_mlp_format
 from megamoe.core.router_logits import router_logits
@@ -132,6 +132,11 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
         )  # fmt: skip
         self.router_tickets: torch.Tensor
         self.register_buffer("router_tickets", tickets, persistent=False)
+        scratch = router_scratch(
+            self.router_kernel, plan.max_num_tokens, cfg.hidden_size, self.device
+        )
+        self.router_scratch: torch.Tensor | None
+        self.register_buffer("router_scratch", scratch, persistent=False)
         self._gated_add = fused_combine(self.device)
 
     # -- forward ---------------------------------------------------------------------------
@@ -166,8 +171,9 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
         """
         if self.router_kernel is not None and hidden_states.is_cuda:
             weights, ids, _ = self.router_kernel.route(
-                hidden_states, self.gate.weight, self.router_tickets, dispatch=dispatch
-            )
+                hidden_states, self.gate.weight, self.router_tickets, dispatch=dispatch,
+                scratch=self.router_scratch,
+            )  # fmt: skip
             return weights, ids
         if dispatch is not None:
             raise ValueError(

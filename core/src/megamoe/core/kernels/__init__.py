@@ -51,3 +51,22 @@ def one_launch_router(
         router_triton.TritonRouter(scoring[score], **settings),
         router_triton.ticket_buffer(max_num_tokens, device),
     )
+
+
+def router_scratch(
+    kernel: TritonRouter | None,
+    max_num_tokens: int,
+    hidden_size: int,
+    device: torch.device | str | None,
+) -> torch.Tensor | None:
+    """The float32 scratch a router's one launch writes its logits and partial sums to.
+
+    ``TritonRouter.route``'s ``scratch``, sized by ``TritonRouter.scratch_floats`` for
+    calls of up to ``max_num_tokens`` tokens of ``hidden_size`` (0.6-1.1 MB for the routers
+    of GLM-5.3-Flash, Qwen4-Exp and E=64 at H=4096); None without a kernel. One call at a
+    time uses it, like the tickets.
+    """
+    if kernel is None:
+        return None
+    floats = kernel.scratch_floats(max_num_tokens, hidden_size)
+    return torch.empty(floats, dtype=torch.float32, device=device)

@@ -66,7 +66,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from megamoe.core.backends.base import DISPATCH_AMAX_FLOOR, DISPATCH_GROUP, DispatchBuffer
-from megamoe.core.kernels.launch import KernelLaunch, eager_key
+from megamoe.core.kernels.launch import ALIGNMENT, KernelLaunch, eager_key
 from megamoe.core.quant import E4M3_MAX
 from megamoe.core.router_logits import PLANES, router_logits
 
@@ -177,7 +177,7 @@ def select_experts(
     Each token's logits row (contiguous (T, NUM_EXPERTS) logits) is a (groups x experts
     per group) tile; the tiles of the ROWS tokens stack into one (ROWS, BLOCK_G, BLOCK_J)
     block, reduced along its last axes. With ``DISPATCH`` the weights and the ids (int64)
-    also go to the kernel's input buffer.
+    go to the kernel's input buffer instead of ``weights_ptr`` and ``ids_ptr`` (unused).
     """
     token = first_token + tl.arange(0, ROWS).to(tl.int64)
     token_ok = token < num_tokens
@@ -241,11 +241,12 @@ def select_experts(
             total = tl.sum(tl.sum(every, axis=2), axis=1)
         weights = tl.math.div_rn(exps, tl.where(token_ok, total, 1.0)[:, None])
     out = token[:, None] * TOP_K + slot
-    tl.store(weights_ptr + out, weights, mask=out_ok)
-    tl.store(ids_ptr + out, ids, mask=out_ok)
     if DISPATCH:
         tl.store(dispatch_weights_ptr + out, weights, mask=out_ok)
         tl.store(dispatch_ids_ptr + out, ids.to(tl.int64), mask=out_ok)
+    else:
+        tl.store(weights_ptr + out, weights, mask=out_ok)
+        tl.store(ids_ptr + out, ids, mask=out_ok)
 
 
 @triton.jit
@@ -753,6 +754,26 @@ class TritonRouter:
             self._plans[by_size] = plan
         return plan
 
+    def scratch_floats(self, max_num_tokens: int, hidden: int) -> int:
+        """float32 entries a :meth:`route` ``scratch`` needs for calls of up to that many tokens.
+
+        What the one launch writes besides its outputs, for calls under ``matmul_tokens``:
+        the logits, then (16-byte aligned) the hidden-size splits' partial sums, at the
+        largest token count of each launch shape and token-block count, for any weight
+        (bf16, float32 or its parts). Calls from ``matmul_tokens`` on take fresh tensors.
+        """
+        most = 0
+        fused = min(max_num_tokens, self.matmul_tokens - 1)
+        for shape_index, shape in enumerate(self.shapes):
+            ends = [s.min_tokens - 1 for s in self.shapes[shape_index + 1 :]] + [fused]
+            last = min(ends[0], fused)
+            for tokens in range(shape.min_tokens, last + 1, shape.rows):
+                tokens = min(tokens + shape.rows - 1, last)  # the block count's largest call
+                for kind in (WEIGHT_BF16, WEIGHT_FP32, WEIGHT_PLANES):
+                    splits = self._plan(tokens, hidden, kind, 0, False).splits
+                    most = max(most, _scratch_end(tokens * self.num_experts, splits))
+        return most
+
     def route(
         self,
         hidden_states: torch.Tensor,
@@ -761,6 +782,7 @@ class TritonRouter:
         bias: torch.Tensor | None = None,
         planes: torch.Tensor | None = None,
         dispatch: DispatchBuffer | None = None,
+        scratch: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Route ``hidden_states`` (T, H) bf16 with ``weight`` (E, H), bf16 or float32.
 
@@ -776,6 +798,13 @@ class TritonRouter:
             dispatch: a Hopper MegaMoE kernel's input buffer to fill as well
                 (``backends.base.DispatchBuffer``: the activations in FP8 with their scales,
                 the routing, the padding rows), so that the kernel needs no pre-dispatch.
+                The routing is then written there only, and the weights and ids returned
+                are its first T rows (ids int64), valid until the buffer's next use.
+            scratch: contiguous float32 room of :meth:`scratch_floats` entries (used by one
+                call at a time), where a call under ``matmul_tokens`` writes its logits and
+                partial sums instead of fresh tensors (two allocations less of host time);
+                the logits returned are then a view of it, valid until its next use. Not
+                used while ``torch.compile`` traces.
 
         Calls of ``matmul_tokens`` tokens or more take torch's GEMM for the logits (exact
         products, float32 sums, like the kernel's) and launch the selection alone. With
@@ -785,13 +814,14 @@ class TritonRouter:
 
         Returns:
             ``(topk_weights float32, topk_ids int32, logits float32)``: (T, top_k) twice,
-            then (T, E).
+            then (T, E). With ``dispatch`` the first two are its rows (ids int64); with
+            ``scratch`` (one launch) the logits are a view of it.
 
         Raises:
             ValueError: more tokens than ``tickets`` serves, activations that are not bf16,
                 a weight that is neither bf16 nor float32 or not contiguous, ``planes``
-                of another shape than (3E, H), or a ``dispatch`` buffer that does not fit
-                the call (:meth:`_check_dispatch`).
+                of another shape than (3E, H), a ``dispatch`` buffer that does not fit
+                the call (:meth:`_check_dispatch`), or a ``scratch`` too small for it.
         """
         if hidden_states.dtype != torch.bfloat16 or weight.dtype not in _WEIGHT_DTYPES:
             raise ValueError(
@@ -830,32 +860,74 @@ class TritonRouter:
                 return (*selected, logits)
             logits = router_logits(hidden_states, weight)
             return (*self._select(logits, bias, 1, None, hidden_states, dispatch), logits)
-        device = hidden_states.device
-        logits = torch.empty((tokens, self.num_experts), dtype=torch.float32, device=device)
-        weights = torch.empty((tokens, self.top_k), dtype=torch.float32, device=device)
-        ids = torch.empty((tokens, self.top_k), dtype=torch.int32, device=device)
         if tokens == 0:
-            return weights, ids, logits
+            weights, ids = self._outputs(hidden_states, None)
+            return weights, ids, weights.new_empty((0, self.num_experts))
         if planes is not None:
             kind, weight = WEIGHT_PLANES, planes
         else:
             kind = WEIGHT_FP32 if weight.dtype == torch.float32 else WEIGHT_BF16
         plan = self._cached_plan(tokens, hidden, kind, 0, dispatch is not None)
-        if plan.splits > 1:
-            partial = torch.empty((plan.splits, tokens, self.num_experts), dtype=torch.float32,
-                                  device=device)  # fmt: skip
-        else:
-            partial = hidden_states  # unused (see _route_kernel)
+        logits, partial = self._workspace(hidden_states, plan.splits, scratch)
+        weights, ids = self._outputs(hidden_states, dispatch)
         bias_or_weight = weight if bias is None else bias
         written, rows = _dispatch_args(dispatch, hidden_states)
         _launch(
             _variant(plan, hidden_states, weight, *written, bias_or_weight), plan.grid,
-            device.index,
+            hidden_states.device.index,
             (hidden_states, weight, bias_or_weight, logits, weights, ids, tickets, partial,
              *written, tokens, plan.split_size, rows),
             plan.constexprs, plan.num_warps,
         )  # fmt: skip
+        if dispatch is not None:
+            return dispatch.topk_weights[:tokens], dispatch.topk_ids[:tokens], logits
         return weights, ids, logits
+
+    def _outputs(
+        self, like: torch.Tensor, dispatch: DispatchBuffer | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fresh (T, top_k) float32 weights and int32 ids of ``like``'s T.
+
+        With ``dispatch``, which takes the routing instead: ``like`` twice, pointers the
+        launch does not write.
+        """
+        if dispatch is not None:
+            return like, like
+        tokens, device = like.shape[0], like.device
+        weights = torch.empty((tokens, self.top_k), dtype=torch.float32, device=device)
+        return weights, torch.empty((tokens, self.top_k), dtype=torch.int32, device=device)
+
+    def _workspace(
+        self, hidden_states: torch.Tensor, splits: int, scratch: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A one-launch call's float32 logits (T, E) and partial sums (splits, T, E).
+
+        Views of ``scratch`` where given (eager), else fresh. Without splits the partial
+        sums are ``hidden_states``, a pointer the launch does not write.
+
+        Raises:
+            ValueError: a ``scratch`` too small for the call.
+        """
+        tokens, experts = hidden_states.shape[0], self.num_experts
+        size = tokens * experts
+        if scratch is None or torch.compiler.is_compiling():
+            logits = hidden_states.new_empty((tokens, experts), dtype=torch.float32)
+            if splits == 1:
+                return logits, hidden_states
+            return logits, hidden_states.new_empty((splits, tokens, experts), dtype=torch.float32)
+        if scratch.numel() < _scratch_end(size, splits) or scratch.dtype != torch.float32:
+            raise ValueError(
+                f"router (triton): a scratch of {scratch.numel()} {scratch.dtype} entries; a "
+                f"call of {tokens} tokens in {splits} hidden-size splits needs "
+                f"{_scratch_end(size, splits)} float32 (size it with scratch_floats() for the "
+                "layer's max_num_tokens and hidden size)"
+            )
+        logits = scratch.as_strided((tokens, experts), (experts, 1))
+        if splits == 1:
+            return logits, hidden_states
+        return logits, scratch.as_strided(
+            (splits, tokens, experts), (size, experts, 1), _partial_offset(size)
+        )
 
     def _check_dispatch(self, dispatch: DispatchBuffer, tokens: int, hidden: int) -> None:
         """Refuse a dispatch buffer whose dtypes or shapes do not fit this call.
@@ -924,10 +996,9 @@ class TritonRouter:
         (checked by the caller) the launch also fills it from ``hidden_states``.
         """
         tokens = given.shape[0]
-        weights = torch.empty((tokens, self.top_k), dtype=torch.float32, device=given.device)
-        ids = torch.empty((tokens, self.top_k), dtype=torch.int32, device=given.device)
         if tokens == 0:
-            return weights, ids
+            return self._outputs(given, None)
+        weights, ids = self._outputs(given, dispatch if hidden_states is not None else None)
         source = given if hidden_states is None or dispatch is None else hidden_states
         hidden = 1 if source is given else source.shape[1]
         plan = self._cached_plan(1, hidden, WEIGHT_BF16, planes, source is not given)
@@ -944,7 +1015,24 @@ class TritonRouter:
              rows),
             plan.constexprs, plan.num_warps,
         )  # fmt: skip
+        if source is not given:
+            assert dispatch is not None  # the routing went there
+            return dispatch.topk_weights[:tokens], dispatch.topk_ids[:tokens]
         return weights, ids
+
+
+def _partial_offset(logits: int) -> int:
+    """Where a call's partial sums start in its scratch, in floats.
+
+    After its ``logits`` floats, 16-byte aligned (the launch's key assumes aligned pointers).
+    """
+    per_alignment = ALIGNMENT // 4
+    return -(-logits // per_alignment) * per_alignment
+
+
+def _scratch_end(logits: int, splits: int) -> int:
+    """float32 entries a call of ``logits`` logits in ``splits`` splits takes of a scratch."""
+    return logits if splits == 1 else _partial_offset(logits) + splits * logits
 
 
 def _dispatch_args(
