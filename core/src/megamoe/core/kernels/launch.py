@@ -6,9 +6,7 @@ tensor for its pointer and the driver whether the pointer is a device one. For a
 about thirty arguments that is tens of microseconds of host time on the H200 test machine,
 more than the router's GPU work. :class:`KernelLaunch` does the JIT's launch once per
 variant (compiling it if needed) and keeps the compiled kernel; later calls of the same
-variant hand its launcher the grid, the stream and the arguments directly, tensors as
-their data pointers (the launcher takes an integer as the address itself; for a tensor it
-asks the tensor and then the driver, ``cuPointerGetAttribute``, once per argument).
+variant hand its launcher the grid, the stream and the arguments directly.
 
 The variant key is the caller's: it must fix everything the JIT specializes on for the
 arguments it passes (pointer dtypes, constexpr values, pointer alignment to 16 bytes).
@@ -117,8 +115,7 @@ class KernelLaunch:
                 self._compiled[key] = launched
             return
         stream = torch._C._cuda_getCurrentRawStream(device_index)
-        pointers = [arg.data_ptr() if isinstance(arg, torch.Tensor) else arg for arg in runtime]
         compiled.run(
             grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
-            None, None, None, *pointers, *constexprs,
+            None, None, None, *runtime, *constexprs,
         )  # fmt: skip
