@@ -8,10 +8,11 @@ launch time included, as an engine's eager prefill sees it):
 - ``matmul``: the float32 logits alone (the torch path starts with it: GLM's
   ``x.float() @ W^T`` on its float32 weight, Qwen's bf16 ``torch.mm(out_dtype=float32)``);
 - ``torch``: the whole router on the torch path;
-- ``triton``: the whole router as the blocks call it on CUDA
-  (``megamoe.core.kernels.router_triton``): under ``matmul_tokens`` (64 for E >= 256,
-  else 256) one launch computing the logits and the selection, from there cuBLAS's
-  logits and the selection's launch;
+- ``triton``: the whole router as the blocks build it on CUDA
+  (``megamoe.core.kernels.router_triton``, with its scratch; without the kernel's
+  dispatch buffer, so the routing comes back in fresh tensors): under ``matmul_tokens``
+  (64 for E >= 256, else 256) one launch computing the logits and the selection, from
+  there cuBLAS's logits and the selection's launch;
 - ``kernel``: the Triton selection alone, on given logits;
 - ``graphed``: a CUDA graph of ``triton``, replayed (no host time), beside graphs of the
   matmul alone (``mm graphed``) and of the torch path (``torch graphed``): GPU time;

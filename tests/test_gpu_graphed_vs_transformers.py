@@ -23,12 +23,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from gpu_marks import skip_unless_block_fp8_kernel
 from graph_check import replayed_output
 from oracle_check import MIN_MARGIN
 
-from megamoe.core.backends.deepgemm import DeepGemmBackend
 from megamoe.core.checkpoint import CheckpointReader
-from megamoe.core.formats import WeightFormat, detect_arch, resolve_formats
 from megamoe.core.parallel import ParallelSettings, single_rank_group
 from megamoe.glm5next import ADAPTER as GLM5NEXT
 from megamoe.qwen4exp import ADAPTER as QWEN4EXP
@@ -55,13 +54,7 @@ def test_a_graphed_block_matches_transformers(tmp_path: Path, family: str) -> No
     pytest.importorskip("transformers", minversion="5.24.0")
     from transformers_oracle import KERNEL_SIZES, build_tiny_model, reference_moe, save_checkpoint
 
-    if resolve_formats(WeightFormat.FP8_BLOCK, None, detect_arch("cuda"))[1] is not (
-        WeightFormat.FP8_BLOCK
-    ):
-        pytest.skip("this GPU does not run block-FP8 experts on the Hopper kernel")
-    reason = DeepGemmBackend.unsupported_reason(WeightFormat.FP8_BLOCK, torch.device("cuda"))
-    if reason is not None:
-        pytest.skip(f"DeepGEMM cannot run fp8_block here: {reason}")
+    skip_unless_block_fp8_kernel()
     limit = {"swiglu_limit": SWIGLU_LIMIT} if family == "glm5_next" else {}
     tiny = build_tiny_model(family, seed=13, **limit, **KERNEL_SIZES[family])
     path = save_checkpoint(tiny, tmp_path / family, fp8_block=True)

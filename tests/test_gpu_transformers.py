@@ -32,9 +32,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from gpu_marks import skip_unless_block_fp8_kernel
 
 from megamoe.core.experts import MegaMoEExperts
-from megamoe.core.formats import WeightFormat, detect_arch, resolve_formats
+from megamoe.core.formats import WeightFormat
 
 pytestmark = [
     pytest.mark.gpu,
@@ -60,16 +61,7 @@ def _kernel_or_skip() -> None:
     """Skip where DeepGEMM's kernel cannot run transformers' block-FP8 experts as stored."""
     pytest.importorskip("transformers", minversion="5.24.0")
     pytest.importorskip("accelerate")  # transformers loads FP8 checkpoints through it
-    from megamoe.core.backends.deepgemm import DeepGemmBackend
-
-    run_format = resolve_formats(WeightFormat.FP8_BLOCK, None, detect_arch("cuda"))[1]
-    if run_format is not WeightFormat.FP8_BLOCK:
-        pytest.skip(
-            f"this GPU runs block-FP8 experts as {run_format.value}, not on the Hopper kernel"
-        )
-    reason = DeepGemmBackend.unsupported_reason(WeightFormat.FP8_BLOCK, torch.device("cuda"))
-    if reason is not None:
-        pytest.skip(f"DeepGEMM cannot run fp8_block here: {reason}")
+    skip_unless_block_fp8_kernel()
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -57,6 +57,10 @@ class DispatchBuffer(NamedTuple):
             and all(t.is_contiguous() for t in self)
         )
 
+    def routing(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``tokens`` rows' weights (float32) and ids (int64), views of the buffer."""
+        return self.topk_weights[:tokens], self.topk_ids[:tokens]
+
 
 class ExpertsBackend(abc.ABC):
     """Runs a ``MegaMoEExperts`` module's forward from its canonical kernel-form tensors.

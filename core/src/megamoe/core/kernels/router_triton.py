@@ -880,7 +880,7 @@ class TritonRouter:
             plan.constexprs, plan.num_warps,
         )  # fmt: skip
         if dispatch is not None:
-            return dispatch.topk_weights[:tokens], dispatch.topk_ids[:tokens], logits
+            return (*dispatch.routing(tokens), logits)
         return weights, ids, logits
 
     def _outputs(
@@ -993,31 +993,34 @@ class TritonRouter:
 
         With ``planes`` > 1, ``given`` holds each token's products with the weight's parts
         side by side; the kernel adds them into ``logits`` (T, E) first. With ``dispatch``
-        (checked by the caller) the launch also fills it from ``hidden_states``.
+        (checked by the caller, who passes both) the launch also fills it from
+        ``hidden_states`` and the routing goes there only.
         """
         tokens = given.shape[0]
         if tokens == 0:
             return self._outputs(given, None)
-        weights, ids = self._outputs(given, dispatch if hidden_states is not None else None)
-        source = given if hidden_states is None or dispatch is None else hidden_states
+        filled: DispatchBuffer | None = None
+        source = given
+        if hidden_states is not None and dispatch is not None:
+            filled, source = dispatch, hidden_states
+        weights, ids = self._outputs(given, filled)
         hidden = 1 if source is given else source.shape[1]
-        plan = self._cached_plan(1, hidden, WEIGHT_BF16, planes, source is not given)
+        plan = self._cached_plan(1, hidden, WEIGHT_BF16, planes, filled is not None)
         programs = triton.cdiv(tokens, plan.rows)
-        if source is not given:  # programs past the rows only cast: spread the cast wider
+        if filled is not None:  # programs past the rows only cast: spread the cast wider
             programs = max(programs, SPLIT_PROGRAMS)
         grid = (programs, 1, 1)
         out = given if logits is None else logits
         bias_or_logits = given if bias is None else bias  # never an alias of ``out``
-        written, rows = _dispatch_args(dispatch if source is not given else None, source)
+        written, rows = _dispatch_args(filled, source)
         _launch(
             _variant(plan, source, given, *written, bias_or_logits), grid, given.device.index,
             (source, given, bias_or_logits, out, weights, ids, ids, given, *written, tokens, 0,
              rows),
             plan.constexprs, plan.num_warps,
         )  # fmt: skip
-        if source is not given:
-            assert dispatch is not None  # the routing went there
-            return dispatch.topk_weights[:tokens], dispatch.topk_ids[:tokens]
+        if filled is not None:
+            return filled.routing(tokens)
         return weights, ids
 
 
