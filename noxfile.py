@@ -8,8 +8,10 @@ adapter alone from there, as the README says; ``docs`` builds the site (offline-
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import nox
@@ -39,6 +41,24 @@ GPU_TEST_MODULES = ("pytest",)  # what gpu_tests needs in the machine's own envi
 
 nox.options.sessions = ["lint", "typecheck", "tests", "install"]
 nox.options.reuse_existing_virtualenvs = True
+# Each CPU session's virtualenv holds its own torch (about 1 GB; the README's full run makes
+# eleven of them). A session's virtualenv is removed when the session ends, so a run needs
+# room for one at a time; MEGAMOE_NOX_KEEP_VENVS=1 keeps them, and nox then reuses them.
+KEEP_VENVS = os.environ.get("MEGAMOE_NOX_KEEP_VENVS") == "1"
+
+
+def _removes_its_venv(func: Callable[..., None]) -> Callable[..., None]:
+    """The session's virtualenv is removed when it ends, passed or failed, unless kept."""
+
+    @functools.wraps(func)
+    def session_then_remove(session: nox.Session, **params: str) -> None:
+        try:
+            func(session, **params)
+        finally:
+            if not KEEP_VENVS:
+                shutil.rmtree(session.virtualenv.location, ignore_errors=True)
+
+    return session_then_remove
 
 
 def _install(session: nox.Session, *packages: str) -> None:
@@ -61,6 +81,7 @@ TEST_MATRIX = [nox.param(p, "", id=p) for p in PACKAGES] + [
 
 @nox.session
 @nox.parametrize("target,weight_format", TEST_MATRIX)
+@_removes_its_venv
 def tests(session: nox.Session, target: str, weight_format: str) -> None:
     """CPU tests: one package alone, or everything for one weight format."""
     if target == "all":
@@ -75,6 +96,7 @@ def tests(session: nox.Session, target: str, weight_format: str) -> None:
 
 
 @nox.session
+@_removes_its_venv
 def lint(session: nox.Session) -> None:
     """Ruff lint and format check."""
     session.install("ruff>=0.6")
@@ -83,6 +105,7 @@ def lint(session: nox.Session) -> None:
 
 
 @nox.session
+@_removes_its_venv
 def typecheck(session: nox.Session) -> None:
     """Mypy over every package."""
     session.install(*CONSTRAINTS, "mypy>=1.10", "torch", "safetensors", "tqdm", "pytest")
@@ -90,6 +113,7 @@ def typecheck(session: nox.Session) -> None:
 
 
 @nox.session(default=False)
+@_removes_its_venv
 def docs(session: nox.Session) -> None:
     """Build the site (mkdocs-material, API pages from the docstrings) into site/, --strict.
 
@@ -111,6 +135,7 @@ def _build_wheels(session: nox.Session) -> None:
 
 
 @nox.session
+@_removes_its_venv
 def build(session: nox.Session) -> None:
     """Wheels of megamoe-core, megamoe-qwen4exp, megamoe-glm5next and megamoe into dist/."""
     _build_wheels(session)
@@ -118,6 +143,7 @@ def build(session: nox.Session) -> None:
 
 
 @nox.session
+@_removes_its_venv
 def install(session: nox.Session) -> None:
     """megamoe-glm5next alone from dist/ (README "Install"), then install_tests/ on it.
 
@@ -146,6 +172,7 @@ def install(session: nox.Session) -> None:
 
 
 @nox.session
+@_removes_its_venv
 def demo(session: nox.Session) -> None:
     """Run ``megamoe demo`` from a fresh install of every package."""
     _install(session, "core", "qwen4exp", "glm5next")
