@@ -21,6 +21,7 @@ from megamoe.core.backends import select, symm_buffer
 from megamoe.core.backends.deepgemm import DeepGemmBackend, missing_api, supported_kinds
 from megamoe.core.backends.deepgemm_layout import L1_ROW_ORDER
 from megamoe.core.bitcheck import relative_error
+from megamoe.core.demo import DEMO_SIZES
 from megamoe.core.errors import CapabilityError, FormatMismatchError, NonFiniteError
 from megamoe.core.expert_loading import STAGE_WHOLE_RELOAD
 from megamoe.core.experts import MegaMoEExperts
@@ -35,7 +36,7 @@ fake_v025 = load_fake("fake_deep_gemm_v025")
 # 0.2.5 (num_shared_experts, shared_l1/l2_weights, num_tokens_bound, mma_type transforms).
 OLD, NEW = "0.1.4.post1", "0.2.5"
 GENERATIONS = (OLD, NEW)
-E, TOP_K, H, INTER, T = 4, 2, 256, 256, 24
+E, TOP_K, H, INTER, T = 4, 2, 512, 256, 24
 PREFIX = "model.layers.3.mlp.experts"
 ARCH_OF = {
     WeightFormat.BF16: "sm100",
@@ -693,8 +694,14 @@ def test_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
     common = dict(
         top_k=TOP_K, weight_format="fp8_block", checkpoint_format="fp8_block", backend="deepgemm"
     )
-    with pytest.raises(ValueError, match="intermediate_size=4224 exceeds 4096"):
-        one_rank_experts(E, H, 4224, **common)
+    with pytest.raises(ValueError, match="intermediate_size=4352 exceeds 4096"):
+        one_rank_experts(E, H, 4352, **common)
+    # The Hopper buffer's scale rows: H / 32 and I / 16 bytes, in 16-byte units.
+    multiples = "multiples of 512 and intermediate sizes that are multiples of 256"
+    for hidden, intermediate in ((256, INTER), (H + 128, INTER), (H, 384)):
+        sizes = f"hidden_size={hidden}, intermediate_size={intermediate};.*{multiples}"
+        with pytest.raises(ValueError, match=sizes):
+            one_rank_experts(E, hidden, intermediate, **common)
     with pytest.raises(CapabilityError, match="takes no shared_l1_weights"):
         one_rank_experts(E, H, INTER, num_shared_experts=1, **common)
     experts = build(WeightFormat.FP8_BLOCK, "deepgemm")
@@ -704,6 +711,16 @@ def test_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
         DeepGemmBackend().prepare(experts, [0])
     with pytest.raises(RuntimeError, match="call finalize\\(\\) first"):
         DeepGemmBackend().forward(experts, *inputs())
+
+
+def test_the_demo_checkpoints_fit_the_hopper_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    install(monkeypatch, "sm90")
+    sizes = DEMO_SIZES
+    experts = one_rank_experts(
+        sizes.num_experts, sizes.hidden_size, sizes.intermediate_size, top_k=sizes.top_k,
+        weight_format="fp8_block", checkpoint_format="fp8_block", backend="deepgemm",
+    )  # fmt: skip
+    DeepGemmBackend().check_layer(experts)  # raises where the kernel would refuse the sizes
 
 
 def test_fp8xfp8_refused_by_the_build_is_a_capability_error(

@@ -23,6 +23,9 @@ from megamoe.core.sample import select_adapters
 from megamoe.core.testing import write_synthetic_checkpoint
 from megamoe.core.verify import LayerCheck, verify_layer
 
+# The demo's checkpoints: small, and of sizes every MegaMoE kernel runs (the Hopper one
+# takes hidden sizes in multiples of 512, intermediate ones in multiples of 256).
+DEMO_SIZES = SyntheticSizes(hidden_size=512)
 HEADERS = (
     "adapter",
     "format",
@@ -94,7 +97,7 @@ def run_demo(
     Args:
         device: where blocks run (None: CUDA if available, else CPU).
         backend: experts backend (``"auto"`` picks the best available).
-        sizes: synthetic checkpoint sizes (``SyntheticSizes()`` when None).
+        sizes: synthetic checkpoint sizes (``DEMO_SIZES`` when None).
         adapters: only these adapter names (None: all installed).
         formats: only these checkpoint formats (None: every format an adapter loads).
         on_row: called with each row as soon as it is done.
@@ -107,6 +110,7 @@ def run_demo(
         UsageError: see ``demo_combinations``.
     """
     combinations = demo_combinations(adapters, formats)
+    sizes = DEMO_SIZES if sizes is None else sizes
     device = default_device() if device is None else torch.device(device)
     parallel = ParallelSettings(ep_group=single_rank_group(device))
     rows = []

@@ -71,6 +71,12 @@ KERNEL_KINDS = {
 }
 PIP_PACKAGE = "sgl-deep-gemm"  # a DeepGEMM build with the Hopper and SM100 MegaMoE kernels
 SM90_MAX_INTERMEDIATE = 4096  # fp8_mega_moe requires intermediate / 64 <= 64
+# The Hopper kernel's buffer holds each token's float32 scales, H / 128 of the activations
+# and I / 64 of the intermediate ones, in rows that TMA reads in 16-byte units: hidden sizes
+# are multiples of 512 and intermediate ones of 256 (sgl-deep-gemm 0.1.4.post1 asserts it in
+# its buffer's layout, 0.2.5 in so many words).
+SM90_HIDDEN_MULTIPLE = 512
+SM90_INTERMEDIATE_MULTIPLE = 256
 
 _BUFFER_FN = "get_symm_buffer_for_mega_moe"
 _SM100_FP8_API = (
@@ -297,8 +303,9 @@ class DeepGemmBackend(ExpertsBackend):
                 a kernel that cannot clamp SwiGLU for experts with a ``swiglu_limit``, or
                 fused shared experts where the kernel takes none.
             ImportError: ``deep_gemm`` does not import.
-            ValueError: an intermediate size beyond the Hopper kernel's limit, or
-                ``process_group=None`` while several ranks run.
+            ValueError: a hidden or intermediate size the Hopper kernel does not run
+                (``SM90_HIDDEN_MULTIPLE``, ``SM90_INTERMEDIATE_MULTIPLE``,
+                ``SM90_MAX_INTERMEDIATE``), or ``process_group=None`` while several ranks run.
         """
         module, kind = resolve_kernel(experts.weight_format, experts.device)
         label = experts.layout.label
@@ -320,7 +327,18 @@ class DeepGemmBackend(ExpertsBackend):
                 "num_shared_experts=0 and run the shared expert as a separate MLP "
                 "(megamoe.core.shared_expert.SwiGLUMLP), or use backend='reference'"
             )
-        if kind == KIND_SM90 and experts.intermediate_size > SM90_MAX_INTERMEDIATE:
+        hidden, intermediate = experts.hidden_size, experts.intermediate_size
+        if kind == KIND_SM90 and (
+            hidden % SM90_HIDDEN_MULTIPLE or intermediate % SM90_INTERMEDIATE_MULTIPLE
+        ):
+            raise ValueError(
+                f"{label}: hidden_size={hidden}, intermediate_size={intermediate}; the Hopper "
+                f"fp8_mega_moe kernel runs hidden sizes that are multiples of "
+                f"{SM90_HIDDEN_MULTIPLE} and intermediate sizes that are multiples of "
+                f"{SM90_INTERMEDIATE_MULTIPLE} (its buffer's per-token scale rows are read in "
+                "16-byte units); use backend='reference' for this layer"
+            )
+        if kind == KIND_SM90 and intermediate > SM90_MAX_INTERMEDIATE:
             raise ValueError(
                 f"{label}: intermediate_size={experts.intermediate_size} exceeds "
                 f"{SM90_MAX_INTERMEDIATE}, the largest the Hopper fp8_mega_moe kernel runs "
