@@ -340,7 +340,7 @@ class DeepGemmBackend(ExpertsBackend):
             )
         if kind == KIND_SM90 and intermediate > SM90_MAX_INTERMEDIATE:
             raise ValueError(
-                f"{label}: intermediate_size={experts.intermediate_size} exceeds "
+                f"{label}: intermediate_size={intermediate} exceeds "
                 f"{SM90_MAX_INTERMEDIATE}, the largest the Hopper fp8_mega_moe kernel runs "
                 "(intermediate / 64 <= 64); use backend='reference' for this layer"
             )
