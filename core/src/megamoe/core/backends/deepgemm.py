@@ -200,6 +200,31 @@ def resolve_kernel(
     return module, kind
 
 
+def check_sm90_sizes(label: str, hidden: int, intermediate: int) -> None:
+    """Refuse expert sizes the Hopper ``fp8_mega_moe`` kernel does not run.
+
+    Hidden sizes are multiples of ``SM90_HIDDEN_MULTIPLE`` and intermediate sizes of
+    ``SM90_INTERMEDIATE_MULTIPLE``, at most ``SM90_MAX_INTERMEDIATE``.
+
+    Raises:
+        ValueError: naming ``label``, both sizes, the rule and ``backend='reference'``.
+    """
+    if hidden % SM90_HIDDEN_MULTIPLE or intermediate % SM90_INTERMEDIATE_MULTIPLE:
+        raise ValueError(
+            f"{label}: hidden_size={hidden}, intermediate_size={intermediate}; the Hopper "
+            f"fp8_mega_moe kernel runs hidden sizes that are multiples of "
+            f"{SM90_HIDDEN_MULTIPLE} and intermediate sizes that are multiples of "
+            f"{SM90_INTERMEDIATE_MULTIPLE} (its buffer's per-token scale rows are read in "
+            "16-byte units); use backend='reference' for this layer"
+        )
+    if intermediate > SM90_MAX_INTERMEDIATE:
+        raise ValueError(
+            f"{label}: intermediate_size={intermediate} exceeds "
+            f"{SM90_MAX_INTERMEDIATE}, the largest the Hopper fp8_mega_moe kernel runs "
+            "(intermediate / 64 <= 64); use backend='reference' for this layer"
+        )
+
+
 def _other_device(device: torch.device) -> bool:
     """Whether ``device`` is a CUDA device other than the current one."""
     return device.type == "cuda" and device.index not in (None, torch.cuda.current_device())
@@ -327,23 +352,8 @@ class DeepGemmBackend(ExpertsBackend):
                 "num_shared_experts=0 and run the shared expert as a separate MLP "
                 "(megamoe.core.shared_expert.SwiGLUMLP), or use backend='reference'"
             )
-        hidden, intermediate = experts.hidden_size, experts.intermediate_size
-        if kind == KIND_SM90 and (
-            hidden % SM90_HIDDEN_MULTIPLE or intermediate % SM90_INTERMEDIATE_MULTIPLE
-        ):
-            raise ValueError(
-                f"{label}: hidden_size={hidden}, intermediate_size={intermediate}; the Hopper "
-                f"fp8_mega_moe kernel runs hidden sizes that are multiples of "
-                f"{SM90_HIDDEN_MULTIPLE} and intermediate sizes that are multiples of "
-                f"{SM90_INTERMEDIATE_MULTIPLE} (its buffer's per-token scale rows are read in "
-                "16-byte units); use backend='reference' for this layer"
-            )
-        if kind == KIND_SM90 and intermediate > SM90_MAX_INTERMEDIATE:
-            raise ValueError(
-                f"{label}: intermediate_size={intermediate} exceeds "
-                f"{SM90_MAX_INTERMEDIATE}, the largest the Hopper fp8_mega_moe kernel runs "
-                "(intermediate / 64 <= 64); use backend='reference' for this layer"
-            )
+        if kind == KIND_SM90:
+            check_sm90_sizes(label, experts.hidden_size, experts.intermediate_size)
         check_group(experts.process_group)
 
     def l1_row_order(self, experts: MegaMoEExperts) -> L1RowOrder:
