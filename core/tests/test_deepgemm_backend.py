@@ -22,7 +22,12 @@ from megamoe.core.backends.deepgemm import DeepGemmBackend, missing_api, support
 from megamoe.core.backends.deepgemm_layout import L1_ROW_ORDER
 from megamoe.core.bitcheck import relative_error
 from megamoe.core.demo import DEMO_SIZES
-from megamoe.core.errors import CapabilityError, FormatMismatchError, NonFiniteError
+from megamoe.core.errors import (
+    CapabilityError,
+    FormatMismatchError,
+    KernelSizeError,
+    NonFiniteError,
+)
 from megamoe.core.expert_loading import STAGE_WHOLE_RELOAD
 from megamoe.core.experts import MegaMoEExperts
 from megamoe.core.formats import WeightFormat
@@ -711,6 +716,35 @@ def test_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
         DeepGemmBackend().prepare(experts, [0])
     with pytest.raises(RuntimeError, match="call finalize\\(\\) first"):
         DeepGemmBackend().forward(experts, *inputs())
+
+
+def test_auto_leaves_a_layer_the_kernel_refuses_to_the_reference(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``backend="auto"`` where DeepGEMM runs the format but not the layer: sizes the
+    Hopper kernel refuses, or a clamp the installed kernel lacks. The layer runs on the
+    reference backend, warned once per layer shape; fitting layers keep DeepGEMM; an
+    explicit ``"deepgemm"`` still raises, a ``KernelSizeError`` (a ValueError too)."""
+    install(monkeypatch, "sm90", activation_clamp=False)
+    monkeypatch.setattr(select, "_fallbacks_logged", set())
+    common = dict(top_k=TOP_K, weight_format="fp8_block", checkpoint_format="fp8_block")
+    with caplog.at_level("WARNING", logger="megamoe"):
+        odd = [one_rank_experts(E, 256, INTER, backend="auto", **common) for _ in range(2)]
+        fits = one_rank_experts(E, H, INTER, backend="auto", **common)
+        clamped = one_rank_experts(E, H, INTER, backend="auto", swiglu_limit=7.0, **common)
+    assert [x.backend.name for x in odd] == ["reference", "reference"]
+    assert fits.backend.name == "deepgemm"
+    assert clamped.backend.name == "reference"
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2, warnings  # one per layer shape, not per layer
+    assert "auto -> reference" in warnings[0] and "hidden_size=256" in warnings[0]
+    assert "multiples of 512" in warnings[0]
+    assert "takes no activation_clamp" in warnings[1]
+    with pytest.raises(KernelSizeError, match="hidden_size=256") as refused:
+        one_rank_experts(E, 256, INTER, backend="deepgemm", **common)
+    assert isinstance(refused.value, ValueError) and isinstance(refused.value, CapabilityError)
+    with pytest.raises(CapabilityError, match="takes no activation_clamp"):
+        one_rank_experts(E, H, INTER, backend="deepgemm", swiglu_limit=7.0, **common)
 
 
 def test_the_demo_checkpoints_fit_the_hopper_kernel(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -111,5 +111,9 @@ class CapabilityError(RuntimeError):
     """The installed DeepGEMM or the device lacks what the chosen path needs."""
 
 
+class KernelSizeError(CapabilityError, ValueError):
+    """A kernel does not run a layer of these sizes (also a ValueError: the caller's sizes)."""
+
+
 class FormatMismatchError(ValueError):
     """Tagged kernel tensors or buffers of different formats were combined."""

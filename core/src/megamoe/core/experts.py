@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from megamoe.core import experts_op
 from megamoe.core.backends.base import DispatchBuffer
-from megamoe.core.backends.select import resolve_backend
+from megamoe.core.backends.select import layer_backend
 from megamoe.core.errors import MissingExpertsError, format_keys
 from megamoe.core.expert_layout import ExpertLayout
 from megamoe.core.expert_loading import ExpertLoading
@@ -57,7 +57,9 @@ class MegaMoEExperts(ExpertLoading, FixedModule):
         max_num_tokens: most tokens one forward on this rank may carry.
         process_group: expert-parallel group; None = this module alone (its forward then
             returns the sum over the experts it holds).
-        backend: ``"auto"``, ``"reference"`` or ``"deepgemm"``.
+        backend: ``"auto"``, ``"reference"`` or ``"deepgemm"``
+            (``backends.select.layer_backend``: ``"auto"`` leaves a layer DeepGEMM cannot
+            run, such as sizes its kernel refuses, to the reference backend, with a warning).
         device: where the kernel tensors live (None = CPU).
         prefix: layer prefix for messages.
         emulate_kernel: reference backend only: round activations as the kernel does.
@@ -114,8 +116,7 @@ class MegaMoEExperts(ExpertLoading, FixedModule):
         self.top_k, self.hidden_size, self.intermediate_size = top_k, hidden_size, intermediate_size
         self.num_shared_experts, self.max_num_tokens = num_shared_experts, max_num_tokens
         self.device = torch.device("cpu") if device is None else torch.device(device)
-        self.backend = resolve_backend(backend, self.weight_format, self.device)
-        self.backend.check_layer(self)
+        self.backend = layer_backend(backend, self)
         self.l1_order = self.backend.l1_row_order(self)
         self.kernel_tag = KernelTag.for_format(
             self.weight_format, num_shared_experts, self.swiglu_limit, self.l1_order.group

@@ -48,7 +48,7 @@ from megamoe.core.backends.symm_buffer import (
     get_symm_buffer,
     resolve_group,
 )
-from megamoe.core.errors import CapabilityError
+from megamoe.core.errors import CapabilityError, KernelSizeError
 from megamoe.core.formats import (
     ARCH_REFERENCE,
     ARCH_SM90,
@@ -207,10 +207,10 @@ def check_sm90_sizes(label: str, hidden: int, intermediate: int) -> None:
     ``SM90_INTERMEDIATE_MULTIPLE``, at most ``SM90_MAX_INTERMEDIATE``.
 
     Raises:
-        ValueError: naming ``label``, both sizes, the rule and ``backend='reference'``.
+        KernelSizeError: naming ``label``, both sizes, the rule and ``backend='reference'``.
     """
     if hidden % SM90_HIDDEN_MULTIPLE or intermediate % SM90_INTERMEDIATE_MULTIPLE:
-        raise ValueError(
+        raise KernelSizeError(
             f"{label}: hidden_size={hidden}, intermediate_size={intermediate}; the Hopper "
             f"fp8_mega_moe kernel runs hidden sizes that are multiples of "
             f"{SM90_HIDDEN_MULTIPLE} and intermediate sizes that are multiples of "
@@ -218,7 +218,7 @@ def check_sm90_sizes(label: str, hidden: int, intermediate: int) -> None:
             "16-byte units); use backend='reference' for this layer"
         )
     if intermediate > SM90_MAX_INTERMEDIATE:
-        raise ValueError(
+        raise KernelSizeError(
             f"{label}: intermediate_size={intermediate} exceeds "
             f"{SM90_MAX_INTERMEDIATE}, the largest the Hopper fp8_mega_moe kernel runs "
             "(intermediate / 64 <= 64); use backend='reference' for this layer"
@@ -327,10 +327,11 @@ class DeepGemmBackend(ExpertsBackend):
             CapabilityError: no kernel for the format here, a missing DeepGEMM function,
                 a kernel that cannot clamp SwiGLU for experts with a ``swiglu_limit``, or
                 fused shared experts where the kernel takes none.
-            ImportError: ``deep_gemm`` does not import.
-            ValueError: a hidden or intermediate size the Hopper kernel does not run
+            KernelSizeError: a hidden or intermediate size the Hopper kernel does not run
                 (``SM90_HIDDEN_MULTIPLE``, ``SM90_INTERMEDIATE_MULTIPLE``,
-                ``SM90_MAX_INTERMEDIATE``), or ``process_group=None`` while several ranks run.
+                ``SM90_MAX_INTERMEDIATE``); a CapabilityError and a ValueError.
+            ImportError: ``deep_gemm`` does not import.
+            ValueError: ``process_group=None`` while several ranks run.
         """
         module, kind = resolve_kernel(experts.weight_format, experts.device)
         label = experts.layout.label

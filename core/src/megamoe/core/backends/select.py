@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import importlib
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
 from megamoe.core.backends.base import ExpertsBackend
 from megamoe.core.errors import CapabilityError
 from megamoe.core.formats import WeightFormat
+
+if TYPE_CHECKING:
+    from megamoe.core.experts import MegaMoEExperts
 
 logger = logging.getLogger("megamoe")
 
@@ -21,6 +25,7 @@ BACKEND_MODULES = {
     "deepgemm": "megamoe.core.backends.deepgemm",
 }
 _logged: set[tuple[str, WeightFormat, str]] = set()
+_fallbacks_logged: set[tuple[object, ...]] = set()
 
 
 def backend_class(name: str) -> type[ExpertsBackend]:
@@ -126,3 +131,41 @@ def resolve_backend(
             "pass backend='reference' (or backend='auto') to use the torch reference path"
         )
     return backend_class(name)()
+
+
+def layer_backend(name: str, experts: MegaMoEExperts) -> ExpertsBackend:
+    """The backend for one layer: :func:`resolve_backend`, then its ``check_layer``.
+
+    ``"auto"`` asks more than the format and the device here: where DeepGEMM is chosen but
+    refuses this layer with a ``CapabilityError`` (sizes its kernel does not run, such as
+    the Hopper kernel's multiples of 512 and 256, a SwiGLU clamp the installed kernel
+    lacks), the layer runs on the reference backend instead, with a warning (logger
+    ``megamoe``) once per layer shape naming the first such layer and the reason. An
+    explicit backend still raises.
+
+    Raises:
+        as :func:`resolve_backend`, and what the backend's ``check_layer`` raises (under
+        ``"auto"`` only what is not a ``CapabilityError``: a wrong process group, ...).
+    """
+    backend = resolve_backend(name, experts.weight_format, experts.device)
+    try:
+        backend.check_layer(experts)
+    except CapabilityError as exc:
+        if name != AUTO or backend.name == "reference":
+            raise
+        shape = (
+            experts.weight_format, experts.hidden_size, experts.intermediate_size,
+            experts.swiglu_limit is not None, experts.num_shared_experts, experts.device.type,
+        )  # fmt: skip
+        if shape not in _fallbacks_logged:
+            _fallbacks_logged.add(shape)
+            logger.warning(
+                "megamoe experts backend auto -> reference for %s and every layer of its "
+                "sizes: %s cannot run it (%s); the reference backend is far slower on a GPU",
+                experts.layout.label,
+                backend.name,
+                exc,
+            )
+        backend = backend_class("reference")()
+        backend.check_layer(experts)
+    return backend
