@@ -10,9 +10,9 @@ launch time included, as an engine's eager prefill sees it):
 - ``torch``: the whole router on the torch path;
 - ``triton``: the whole router as the blocks build it on CUDA
   (``megamoe.core.kernels.router_triton``, with its scratch; without the kernel's
-  dispatch buffer, so the routing comes back in fresh tensors): under ``matmul_tokens``
-  (64 for E >= 256, else 256) one launch computing the logits and the selection, from
-  there cuBLAS's logits and the selection's launch;
+  dispatch buffer, so the routing comes back in fresh tensors): under
+  ``eager_matmul_tokens`` (64 for E >= 256, else 1025) one launch computing the logits
+  and the selection, from there cuBLAS's logits and the selection's launch;
 - ``kernel``: the Triton selection alone, on given logits;
 - ``graphed``: a CUDA graph of ``triton``, replayed (no host time), beside graphs of the
   matmul alone (``mm graphed``) and of the torch path (``torch graphed``): GPU time;
@@ -22,7 +22,9 @@ launch time included, as an engine's eager prefill sees it):
 The issue's target is ``triton`` <= 30 us from 1 to 1024 tokens. Shapes: GLM-5.3-Flash
 (sigmoid, E=288, top-8, no group limit, H=4096), DeepSeek-V3 (sigmoid, E=256, top-8, 4 of
 8 groups, H=7168), Qwen4-Exp (softmax, E=512, top-10, H=2048) and ``bench_block.py``'s
-Qwen4Exp router (E=64, top-8, H=4096).
+Qwen4Exp and GLM routers (E=64, top-8, H=4096; GLM's weight float32). Under 256 experts an
+eager call keeps the one launch up to 1024 tokens while ``graphed`` takes cuBLAS's logits
+from 256 (``router_triton.EAGER_MATMUL_TOKENS``).
 
     python3 benchmarks/bench_router.py
     python3 benchmarks/bench_router.py --tokens 1,1024 --routers glm5.3-flash --json r.json
@@ -50,6 +52,7 @@ ROUTERS = {
     "deepseek-v3": ("sigmoid", 256, 8, 8, 4, 7168),
     "qwen4-exp": ("softmax", 512, 10, 1, 1, 2048),
     "bench-block": ("softmax", 64, 8, 1, 1, 4096),  # bench_block.py's Qwen4Exp router
+    "bench-block-glm": ("sigmoid", 64, 8, 1, 1, 4096),  # and its GLM one (float32 weight)
 }
 TARGET_US = 30.0
 COLUMNS = (

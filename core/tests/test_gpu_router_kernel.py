@@ -249,12 +249,14 @@ def test_routers_of_other_settings_keep_their_own_kernels(kernels) -> None:
 
 @pytest.mark.parametrize("name", ["qwen4exp-E512", "glm-sigmoid-E288", "qwen-softmax-norm"])
 def test_large_calls_take_torchs_gemm_for_the_logits(kernels, name: str) -> None:
-    """From ``matmul_tokens`` on (64 for routers of 256 experts or more, else 256), the
-    logits are torch's GEMM's bits (bf16 weight: a float32 output; float32 weight: widened
-    activations) and the selection is the kernel's."""
-    router, tickets, weight, bias = _router(kernels, name)
-    assert router.matmul_tokens == (64 if weight.shape[0] >= 256 else 256)
-    x = torch.randn(router.matmul_tokens, HIDDEN, device="cuda").bfloat16()
+    """From ``eager_matmul_tokens`` on (64 for routers of 256 experts or more, else 1025),
+    an eager call's logits are torch's GEMM's bits (bf16 weight: a float32 output; float32
+    weight: widened activations) and the selection is the kernel's."""
+    router, tickets, weight, bias = _router(kernels, name, max_tokens=1100)
+    large = weight.shape[0] >= 256
+    assert router.matmul_tokens == (64 if large else 256)
+    assert router.eager_matmul_tokens == (64 if large else 1025)
+    x = torch.randn(router.eager_matmul_tokens, HIDDEN, device="cuda").bfloat16()
     weights, ids, logits = router.route(x, weight, tickets, bias)
     if weight.dtype == torch.bfloat16:
         want = torch.mm(x, weight.t(), out_dtype=torch.float32)
@@ -294,6 +296,68 @@ def test_large_calls_with_weight_planes_add_three_bf16_products(kernels, tokens:
         router.route(x[:, :512].contiguous(), weight[:, :512].contiguous(), tickets, bias, planes)
 
 
+def _captured(call):
+    """``call()``'s outputs from one replay of a CUDA graph of it, warmed up eagerly only
+    (as engines warm up before they capture: a variant the capture takes first is compiled
+    inside it)."""
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = call()
+    graph.replay()
+    return outputs
+
+
+@pytest.mark.parametrize("tokens", [256, 1024])
+@pytest.mark.parametrize("name", ["qwen-softmax-norm", "sigmoid-no-norm-E64"])
+def test_eager_calls_keep_one_launch_where_graphs_take_cublas(
+    kernels, name: str, tokens: int
+) -> None:
+    """Under 256 experts, from ``matmul_tokens`` to 1024 tokens: an eager call is the one
+    launch (its logits land in the scratch, within ``LOGIT_TOL`` of float64, and its
+    selection is the kernel's on them); the same call in a CUDA-graph capture takes
+    cuBLAS's logits (torch's GEMM's bits) and selects on them. The two routings differ
+    only where the eager logits tie at the top-k cut to float32 summation."""
+    from megamoe.core.kernels import router_scratch
+
+    router, tickets, weight, bias = _router(kernels, name)
+    assert router.matmul_tokens <= tokens < router.eager_matmul_tokens
+    scratch = router_scratch(router, 1024, HIDDEN, "cuda")
+    gen = torch.Generator().manual_seed(tokens + 7)
+    x = torch.randn(tokens, HIDDEN, generator=gen).bfloat16().cuda()
+
+    def call():
+        return router.route(x, weight, tickets, bias, scratch=scratch)
+
+    graphed = [t.clone() for t in _captured(call)]
+    eager = call()
+    assert eager[2].data_ptr() == scratch.data_ptr(), "the eager call did not take one launch"
+    if weight.dtype == torch.bfloat16:
+        cublas = torch.mm(x, weight.t(), out_dtype=torch.float32)
+    else:
+        cublas = torch.mm(x.float(), weight.t())
+    assert_bitwise_equal(graphed[2], cublas, "graphed logits")
+    for what, (weights, ids, logits) in (("eager", eager), ("graphed", graphed)):
+        alone_w, alone_ids = router.select(logits.contiguous(), bias)
+        assert_bitwise_equal(ids, alone_ids, f"{what} ids")
+        assert_bitwise_equal(weights, alone_w, f"{what} weights")
+    scale = x.double().abs() @ weight.double().abs().t()
+    exact = x.double() @ weight.double().t()
+    assert float(((eager[2].double() - exact).abs() / scale).max()) <= LOGIT_TOL
+    # Rows routed differently: their eager keys at the cut are within both paths' error.
+    keys = eager[2].double()
+    if bias is not None:
+        keys = torch.sigmoid(eager[2]).double() + bias.double()
+    differ = (eager[1].sort(1).values != graphed[1].sort(1).values).any(1)
+    top = keys.sort(1, descending=True).values
+    k = router.top_k
+    gap = (top[:, k - 1] - top[:, k]).abs()
+    tol = 2 * LOGIT_TOL * scale.max(1).values
+    print(f"{name}, {tokens} tokens: {int(differ.sum())} rows routed differently eager/graphed")
+    assert bool((gap[differ] <= tol[differ]).all()), "rows differ away from a tie"
+
+
 def test_a_call_makes_no_host_sync(kernels) -> None:
     router, tickets, weight, bias = _router(kernels, "qwen4exp-E512")
     x = torch.randn(64, HIDDEN, device="cuda").bfloat16()
@@ -306,7 +370,8 @@ def test_a_scratch_gives_the_fresh_tensors_bits(kernels, name: str) -> None:
     fresh tensors: the same weights, ids and logits bit for bit at every tiling (few tokens:
     many hidden-size splits; a partial block; the larger tiles; from ``matmul_tokens``,
     where the scratch is not used), the logits a view of it, whose size
-    (``scratch_floats``) covers every call size under ``matmul_tokens``."""
+    (``scratch_floats``) covers every call size the one launch serves (eagerly up to
+    1024 tokens under 256 experts)."""
     from megamoe.core.kernels import router_scratch
     from megamoe.core.kernels.router_triton import (
         WEIGHT_BF16,
@@ -318,18 +383,18 @@ def test_a_scratch_gives_the_fresh_tensors_bits(kernels, name: str) -> None:
     router, tickets, weight, bias = _router(kernels, name)
     scratch = router_scratch(router, 1024, HIDDEN, "cuda")
     assert scratch is not None
-    for tokens in range(1, router.matmul_tokens):
+    for tokens in range(1, min(router.eager_matmul_tokens, 1025)):
         for kind in (WEIGHT_BF16, WEIGHT_FP32, WEIGHT_PLANES):
             splits = router._plan(tokens, HIDDEN, kind, 0, False).splits
             assert _scratch_end(tokens * weight.shape[0], splits) <= scratch.numel(), tokens
-    for tokens in (1, 7, 17, 64, 200, router.matmul_tokens):
+    for tokens in (1, 7, 17, 64, 200, router.matmul_tokens, 300, 1024):
         x = torch.randn(tokens, HIDDEN, device="cuda").bfloat16()
         fresh = router.route(x, weight, tickets, bias)
         scratch.fill_(float("nan"))  # nothing of an earlier call may leak into this one
         kept = router.route(x, weight, tickets, bias, scratch=scratch)
         for field, a, b in zip(("weights", "ids", "logits"), kept, fresh, strict=True):
             assert_bitwise_equal(a, b, f"{name}, {tokens} tokens, {field} with a scratch")
-        if tokens < router.matmul_tokens:
+        if tokens < router.eager_matmul_tokens:
             assert kept[2].data_ptr() == scratch.data_ptr(), "the logits are not the scratch's"
 
 

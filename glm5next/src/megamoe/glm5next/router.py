@@ -193,8 +193,9 @@ class Glm5NextRouter(torch.nn.Module):
 
     On CUDA with Triton, for covered shapes (``router_triton.triton_covers``) and bf16
     activations (what the block passes), ``forward`` is one kernel launch under
-    ``kernel.matmul_tokens`` (64 for 256 experts or more, else 256): the logits GEMM and
-    the selection together; from there cuBLAS's logits, then the
+    ``kernel.matmul_tokens`` (64 for 256 experts or more, else 256; eager calls up to 1024
+    tokens under 256 experts, ``kernel.eager_matmul_tokens``): the logits GEMM and the
+    selection together; from there cuBLAS's logits, then the
     kernel's selection (``megamoe.core.kernels.router_triton``). Elsewhere it is the torch
     path, ``megamoe.core.router_logits`` then :func:`route_logits`.
 

@@ -160,8 +160,8 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
         without it, softmax over all experts in float32, then top-k.
 
         On CUDA with Triton (E <= 512, top-k <= 16) all of it is one kernel launch under
-        ``matmul_tokens`` (64 for 256 experts or more, else 256), cuBLAS's logits and the
-        kernel's selection from there
+        ``matmul_tokens`` (64 for 256 experts or more, else 256; eagerly up to 1024 tokens
+        under 256 experts), cuBLAS's logits and the kernel's selection from there
         (``megamoe.core.kernels.router_triton``, softmax scoring: the same rule, its own
         float32 summation order and ``exp``); elsewhere four torch operations. The kernel
         also fills ``dispatch`` when given (the experts' ``dispatch_buffer()``).

@@ -62,9 +62,10 @@ def router_scratch(
     """The float32 scratch a router's one launch writes its logits and partial sums to.
 
     ``TritonRouter.route``'s ``scratch``, sized by ``TritonRouter.scratch_floats`` for
-    calls of up to ``max_num_tokens`` tokens of ``hidden_size`` (0.6-1.1 MB for the routers
-    of GLM-5.3-Flash, Qwen4-Exp and E=64 at H=4096); None without a kernel. One call at a
-    time uses it, like the tickets.
+    calls of up to ``max_num_tokens`` tokens of ``hidden_size`` (0.6 MB for the routers of
+    GLM-5.3-Flash and Qwen4-Exp, 2.4 MB for E=64 at H=4096 from 1024 tokens, whose eager
+    calls take one launch up to there); None without a kernel. One call at a time uses
+    it, like the tickets.
     """
     if kernel is None:
         return None

@@ -28,9 +28,13 @@ Calls of ``matmul_tokens_for(E)`` tokens or more (256; 64 for routers of 256 exp
 more) take torch's GEMM (cuBLAS) for the logits and launch the selection alone (one
 program per row, or per 4 rows of a 64-expert router): there the kernel's tiles took
 1.2-1.8x (E=64, 256 tokens) and 1.1-7.3x (E >= 256, 64-255 tokens) the GPU time on the
-H200. A float32 weight given with its three bf16 parts takes one bf16 tensor-core GEMM
-against them, whose three products the selection adds, instead of a float32 GEMM of
-widened activations. After a variant's first call the launch skips Triton's JIT
+H200. Eager calls of routers under 256 experts keep the one launch (64-token tiles from
+256 tokens) up to 1024 tokens (``matmul_tokens_for(E, eager=True)``): eagerly a call's time
+is its host time, which the second launch costs more of than the one launch costs GPU
+time; a CUDA graph replays GPU time only, so captures (and ``torch.compile``) switch at
+``matmul_tokens``. A float32 weight given with its three bf16 parts takes one bf16
+tensor-core GEMM against them, whose three products the selection adds, instead of a
+float32 GEMM of widened activations. After a variant's first call the launch skips Triton's JIT
 (``kernels.launch.KernelLaunch``): 47 instead of 89 us of host time per call there.
 
 Selection (:func:`select_experts`, a few rows at once, each token's row a (groups x
@@ -521,9 +525,15 @@ def _route_kernel(
 _launch = KernelLaunch(_route_kernel, runtime_args=15)
 
 
-def matmul_tokens_for(num_experts: int) -> int:
-    """From how many tokens a router of ``num_experts`` takes cuBLAS's logits."""
-    return LARGE_MATMUL_TOKENS if num_experts >= LARGE_ROUTER else MATMUL_TOKENS
+def matmul_tokens_for(num_experts: int, eager: bool = False) -> int:
+    """From how many tokens a router of ``num_experts`` takes cuBLAS's logits.
+
+    ``eager``: for calls outside a CUDA-graph capture and ``torch.compile``
+    (``EAGER_MATMUL_TOKENS`` for routers under ``LARGE_ROUTER`` experts).
+    """
+    if num_experts >= LARGE_ROUTER:
+        return LARGE_MATMUL_TOKENS
+    return EAGER_MATMUL_TOKENS if eager else MATMUL_TOKENS
 
 
 def ticket_buffer(max_num_tokens: int, device: torch.device | str | None) -> torch.Tensor:
@@ -568,7 +578,11 @@ class LaunchShape:
 # weight's parts): against 128, graphed on the H200 at 1-63 tokens, 1-4 us faster for GLM
 # (E=288) and DeepSeek-V3 (E=256), 1.8 us for an E=64 float32 router, 1.1-1.2 us at
 # 128-255 tokens, equal for the bf16 ones (Qwen4-Exp, E=64); 512 was slower (docs/gpu.md).
-LAUNCH_SHAPES = (LaunchShape(1), LaunchShape(64, cols=64))
+# From 256 tokens (eager calls only, ``EAGER_MATMUL_TOKENS``) 64-token by 32-expert tiles:
+# of seven tilings tried on the H200 the fastest for E=64 at 256-1024 tokens, bf16 and
+# float32 alike (GLM's float32 router 13.6 / 17.2 / 25.9 us at 256 / 512 / 1024 against
+# 15.8 / 23.9 / 39.3 with the 16-token tiles).
+LAUNCH_SHAPES = (LaunchShape(1), LaunchShape(64, cols=64), LaunchShape(256, rows=64))
 # From this many tokens a call takes torch's GEMM (cuBLAS) for the logits and launches the
 # selection alone; from 64 for routers of 256 experts or more, whose weight the kernel's
 # 16-token tiles read once per 16 tokens. On the H200 the kernel took 1.2-1.8x the GPU time
@@ -577,6 +591,15 @@ LAUNCH_SHAPES = (LaunchShape(1), LaunchShape(64, cols=64))
 MATMUL_TOKENS = 256
 LARGE_ROUTER = 256  # experts
 LARGE_MATMUL_TOKENS = 64
+# Eager calls of routers under 256 experts keep the one launch up to 1024 tokens: eagerly
+# the router's time is its host time, and there the second launch (cuBLAS's, 17-38 us of
+# host time on the H200 test machines) costs more than the one launch's extra GPU time
+# (GLM's E=64 float32 router, graphed: 13.6 / 17.2 / 25.9 against 12.1 / 15.1 / 19.4 us at
+# 256 / 512 / 1024 tokens; host: 30-34 against 60-98 us a call). Graph captures and
+# torch.compile take cuBLAS's logits from ``MATMUL_TOKENS`` as before: what a replay
+# costs is GPU time only. Routers of 256 experts or more gain nothing (their one launch
+# took 2-30x the GPU time from 64 tokens).
+EAGER_MATMUL_TOKENS = 1025
 # How a launch reads the router weight: bf16 (one product), float32 split into three bf16
 # parts in registers, or those parts given (``router_logits.weight_planes``, (3E, H)).
 WEIGHT_BF16, WEIGHT_FP32, WEIGHT_PLANES = 0, 1, 2
@@ -619,7 +642,11 @@ class TritonRouter:
         shapes: the launch shapes by call size (``LAUNCH_SHAPES``; benchmarks try others).
         matmul_tokens: calls of this many tokens or more compute the logits with torch's
             GEMM, then launch the selection alone (``matmul_tokens_for(num_experts)``,
-            derived).
+            derived), while a CUDA graph is captured or ``torch.compile`` traces.
+        eager_matmul_tokens: the same for eager calls (``matmul_tokens_for(num_experts,
+            eager=True)``, derived: 1025 under 256 experts, else ``matmul_tokens``). Eager
+            and graphed calls of a size between the two sum the logits in different orders,
+            so their routing may differ where two experts' logits tie to float32 rounding.
 
     Raises:
         ValueError: settings :func:`covers` rejects, an unknown scoring, or launch shapes
@@ -635,6 +662,7 @@ class TritonRouter:
     routed_scaling_factor: float = 1.0
     shapes: tuple[LaunchShape, ...] = LAUNCH_SHAPES
     matmul_tokens: int = field(init=False, compare=False)
+    eager_matmul_tokens: int = field(init=False, compare=False)
     _plans: dict[tuple[int, int, int, int, bool], _Plan] = field(
         init=False, repr=False, compare=False, default_factory=dict
     )
@@ -656,6 +684,9 @@ class TritonRouter:
             )
         # frozen: the derived field is set once, here
         object.__setattr__(self, "matmul_tokens", matmul_tokens_for(self.num_experts))
+        object.__setattr__(
+            self, "eager_matmul_tokens", matmul_tokens_for(self.num_experts, eager=True)
+        )
         first = self.shapes[0].min_tokens if self.shapes else None
         if first != 1:
             raise ValueError(
@@ -737,8 +768,8 @@ class TritonRouter:
 
         Looked up by call size first. A plan depends on the call size only through its
         launch shape and token blocks, so call sizes share one plan per (shape, blocks).
-        Fused calls are below ``matmul_tokens`` and the selection alone is planned for
-        1 token (its grid is the caller's), so both caches stay small.
+        Fused calls are below ``eager_matmul_tokens`` and the selection alone is planned
+        for 1 token (its grid is the caller's), so both caches stay small.
         """
         if torch.compiler.is_compiling():
             return self._plan(tokens, hidden, weight, given, dispatch)
@@ -757,18 +788,19 @@ class TritonRouter:
     def scratch_floats(self, max_num_tokens: int, hidden: int) -> int:
         """float32 entries a :meth:`route` ``scratch`` needs for calls of up to that many tokens.
 
-        What the one launch writes besides its outputs, for calls under ``matmul_tokens``:
-        the logits, then (16-byte aligned) the hidden-size splits' partial sums, at the
-        largest token count of each launch shape and token-block count, for any weight
-        (bf16, float32 or its parts). Calls from ``matmul_tokens`` on take fresh tensors.
+        What the one launch writes besides its outputs, for calls under
+        ``eager_matmul_tokens``: the logits, then (16-byte aligned) the hidden-size splits'
+        partial sums, at the largest token count of each launch shape and token-block
+        count, for any weight (bf16, float32 or its parts). Larger calls take fresh tensors.
         """
         most = 0
-        fused = min(max_num_tokens, self.matmul_tokens - 1)
+        fused = min(max_num_tokens, self.eager_matmul_tokens - 1)
         for shape_index, shape in enumerate(self.shapes):
             ends = [s.min_tokens - 1 for s in self.shapes[shape_index + 1 :]] + [fused]
-            last = min(ends[0], fused)
-            for tokens in range(shape.min_tokens, last + 1, shape.rows):
-                tokens = min(tokens + shape.rows - 1, last)  # the block count's largest call
+            first, last = shape.min_tokens, min(ends[0], fused)
+            # The largest call of each token-block count from ``first`` to ``last``.
+            for blocks in range(triton.cdiv(first, shape.rows), triton.cdiv(last, shape.rows) + 1):
+                tokens = min(blocks * shape.rows, last)
                 for kind in (WEIGHT_BF16, WEIGHT_FP32, WEIGHT_PLANES):
                     splits = self._plan(tokens, hidden, kind, 0, False).splits
                     most = max(most, _scratch_end(tokens * self.num_experts, splits))
@@ -801,13 +833,15 @@ class TritonRouter:
                 The routing is then written there only, and the weights and ids returned
                 are its first T rows (ids int64), valid until the buffer's next use.
             scratch: contiguous float32 room of :meth:`scratch_floats` entries (used by one
-                call at a time), where a call under ``matmul_tokens`` writes its logits and
-                partial sums instead of fresh tensors (two allocations less of host time);
-                the logits returned are then a view of it, valid until its next use. Not
-                used while ``torch.compile`` traces.
+                call at a time), where a one-launch call writes its logits and partial sums
+                instead of fresh tensors (two allocations less of host time); the logits
+                returned are then a view of it, valid until its next use. Not used while
+                ``torch.compile`` traces.
 
-        Calls of ``matmul_tokens`` tokens or more take torch's GEMM for the logits (exact
-        products, float32 sums, like the kernel's) and launch the selection alone. With
+        Calls of ``matmul_tokens`` tokens or more in a CUDA-graph capture or under
+        ``torch.compile``, and eager calls of ``eager_matmul_tokens`` or more, take torch's
+        GEMM for the logits (exact products, float32 sums, like the kernel's) and launch
+        the selection alone. With
         ``planes`` that GEMM is one bf16 tensor-core GEMM of the activations with the
         weight's three bf16 parts (T, 3E), which the selection adds; without, a float32
         GEMM of the widened activations.
@@ -852,7 +886,7 @@ class TritonRouter:
             )
         if dispatch is not None:
             self._check_dispatch(dispatch, tokens, hidden)
-        if tokens >= self.matmul_tokens:
+        if self._takes_matmul(tokens):
             if planes is not None:
                 stacked = torch.mm(hidden_states, planes.t(), out_dtype=torch.float32)
                 logits = stacked.new_empty((tokens, self.num_experts))
@@ -882,6 +916,18 @@ class TritonRouter:
         if dispatch is not None:
             return (*dispatch.routing(tokens), logits)
         return weights, ids, logits
+
+    def _takes_matmul(self, tokens: int) -> bool:
+        """Whether a call of ``tokens`` tokens takes cuBLAS's logits (then the selection).
+
+        From ``matmul_tokens`` while a CUDA graph is captured or ``torch.compile`` traces,
+        from ``eager_matmul_tokens`` otherwise (asked of the current stream only in between).
+        """
+        if tokens < self.matmul_tokens:
+            return False
+        if tokens >= self.eager_matmul_tokens:
+            return True
+        return torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()
 
     def _outputs(
         self, like: torch.Tensor, dispatch: DispatchBuffer | None
