@@ -6,6 +6,8 @@ import pytest
 
 from megamoe.core.formats import WeightFormat
 from megamoe.core.verify import (
+    KERNEL_LOSSY_FP8_TOLERANCE,
+    KERNEL_TOLERANCE,
     LOSSY_FP8_TOLERANCE,
     LOSSY_MXFP4_TOLERANCE,
     TOLERANCE,
@@ -37,3 +39,30 @@ def test_tolerance_per_stored_and_run_format(
 
 def test_lossy_tolerances_are_looser_than_the_exact_ones() -> None:
     assert max(TOLERANCE.values()) < LOSSY_FP8_TOLERANCE < LOSSY_MXFP4_TOLERANCE < 1
+
+
+KERNEL_CASES = [
+    # the kernel rounds activations to FP8 in every quantized format, not in BF16
+    (W.FP8_BLOCK, W.FP8_BLOCK, KERNEL_TOLERANCE),
+    (W.MXFP4, W.MXFP4, KERNEL_TOLERANCE),
+    (W.MXFP4, W.MXFP8, KERNEL_TOLERANCE),
+    (W.BF16, W.BF16, TOLERANCE[W.BF16]),
+    (W.FP8_BLOCK, W.BF16, TOLERANCE[W.BF16]),
+    (W.BF16, W.FP8_BLOCK, KERNEL_LOSSY_FP8_TOLERANCE),
+    (W.NVFP4, W.MXFP8, KERNEL_LOSSY_FP8_TOLERANCE),
+    (W.BF16, W.MXFP4, LOSSY_MXFP4_TOLERANCE),
+]
+
+
+@pytest.mark.parametrize(("checkpoint", "run", "want"), KERNEL_CASES)
+def test_tolerance_with_the_kernels_fp8_rounding(
+    checkpoint: WeightFormat, run: WeightFormat, want: float
+) -> None:
+    assert tolerance_for(checkpoint, run, kernel_rounding=True) == want
+
+
+def test_the_kernels_rounding_only_loosens() -> None:
+    for checkpoint in W:
+        for run in (W.BF16, W.FP8_BLOCK, W.MXFP8, W.MXFP4):
+            assert tolerance_for(checkpoint, run, True) >= tolerance_for(checkpoint, run)
+    assert max(TOLERANCE.values()) < KERNEL_TOLERANCE < KERNEL_LOSSY_FP8_TOLERANCE < 1

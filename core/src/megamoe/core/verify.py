@@ -7,7 +7,8 @@ the checkpoint a converted one was made from (``against``), the reference comes 
 source instead, so the error includes what the conversion lost.
 
 The error is ``max |out - ref| / max |ref|`` over the layer's output; ``tolerance_for``
-gives the accepted error of each (stored, run) format pair.
+gives the accepted error of each (stored, run) format pair, and of experts whose kernel
+also rounds the activations to FP8 (the DeepGEMM backend in a quantized format).
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ from megamoe.core.errors import UsageError
 from megamoe.core.formats import WeightFormat
 from megamoe.core.parallel import ParallelSettings
 
-# Experts run as stored: bf16 outputs and activations (BF16), plus the kernel's FP8
-# activation rounding for the quantized formats (E4M3 keeps 3 mantissa bits).
+# Experts run as stored on the reference backend: bf16 outputs and activations.
 TOLERANCE = {
     WeightFormat.BF16: 2e-2,
     WeightFormat.FP8_BLOCK: 5e-2,
@@ -47,6 +47,17 @@ TOLERANCE = {
 # block or expert still shows (errors of 1 and more).
 LOSSY_FP8_TOLERANCE = 0.2
 LOSSY_MXFP4_TOLERANCE = 0.75
+# Experts on the kernel in a quantized format: it also rounds each token's activations and
+# the SwiGLU output to FP8 (E4M3: 3 mantissa bits). Measured with the reference backend's
+# emulation of that rounding (``emulate_kernel=True``) on the demo's checkpoints
+# (``demo.DEMO_SIZES``, run as fp8_block where a format does not run as stored; 4
+# checkpoint seeds x every MoE layer x 6 token seeds), worst case: run as stored 0.080
+# qwen4exp, 0.122 glm5next (its synthetic SwiGLU clamp of 0.75 cuts 93% of the up
+# projections, where FP8 steps weigh most); requantized to FP8 0.104 and 0.158. The H200's
+# Hopper kernel read 0.050 and 0.100 as stored, 0.125-0.130 requantized, on the demo's
+# seed. Margins of 1.3x and more again.
+KERNEL_TOLERANCE = 0.16
+KERNEL_LOSSY_FP8_TOLERANCE = 0.25
 
 
 @dataclass(frozen=True)
@@ -80,17 +91,24 @@ class LayerCheck:
         return math.isfinite(self.max_rel_error) and self.max_rel_error <= self.tolerance
 
 
-def tolerance_for(checkpoint: WeightFormat, run: WeightFormat) -> float:
+def tolerance_for(
+    checkpoint: WeightFormat, run: WeightFormat, kernel_rounding: bool = False
+) -> float:
     """The accepted ``max_rel_error`` for experts stored as ``checkpoint`` run as ``run``.
 
     ``TOLERANCE[run]`` for experts run as stored, MXFP4 run as MXFP8 (exact) and any run
     as BF16 (dequantizing loses nothing); for requantized ones ``LOSSY_MXFP4_TOLERANCE``
-    (to MXFP4) or ``LOSSY_FP8_TOLERANCE`` (to MXFP8 or FP8_BLOCK).
+    (to MXFP4) or ``LOSSY_FP8_TOLERANCE`` (to MXFP8 or FP8_BLOCK). With
+    ``kernel_rounding`` (a kernel that rounds activations to FP8 ran a quantized ``run``)
+    at least ``KERNEL_TOLERANCE``, or ``KERNEL_LOSSY_FP8_TOLERANCE`` for requantized FP8.
     """
     exact = checkpoint is run or (checkpoint, run) == (WeightFormat.MXFP4, WeightFormat.MXFP8)
+    rounding = kernel_rounding and run is not WeightFormat.BF16
     if exact or run is WeightFormat.BF16:
-        return TOLERANCE[run]
-    return LOSSY_MXFP4_TOLERANCE if run is WeightFormat.MXFP4 else LOSSY_FP8_TOLERANCE
+        return max(TOLERANCE[run], KERNEL_TOLERANCE) if rounding else TOLERANCE[run]
+    if run is WeightFormat.MXFP4:
+        return LOSSY_MXFP4_TOLERANCE
+    return KERNEL_LOSSY_FP8_TOLERANCE if rounding else LOSSY_FP8_TOLERANCE
 
 
 def max_rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -129,7 +147,8 @@ def verify_layer(
         num_tokens: tokens in the forward.
         seed: seeds the random tokens.
         tolerance: accepted error; None uses ``tolerance_for`` (of the source's format
-            when ``against`` is given).
+            when ``against`` is given; with the kernel's FP8 rounding where the experts
+            ran on a backend other than the reference).
         against: the checkpoint ``reader`` was converted from and its layer of the same
             prefix (same adapter and sizes): the reference is computed from it.
         on_stage: called with ``"load"``, ``"forward"`` and ``"reference"`` as each starts.
@@ -177,12 +196,15 @@ def verify_layer(
             f"has {tuple(ref.shape)}"
         )
     run_format = block.experts.weight_format
+    backend_name = block.experts.backend.name
+    if tolerance is None:
+        tolerance = tolerance_for(source_format, run_format, backend_name != "reference")
     return LayerCheck(
         layer=layer,
         run_format=run_format,
-        backend=block.experts.backend.name,
+        backend=backend_name,
         max_rel_error=max_rel_error(out, ref),
-        tolerance=tolerance_for(source_format, run_format) if tolerance is None else tolerance,
+        tolerance=tolerance,
         load_seconds=load_seconds,
         conversion_error=conversion_error,
     )
