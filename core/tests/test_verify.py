@@ -30,13 +30,6 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("checkpoint", "run", "want"), CASES)
-def test_tolerance_per_stored_and_run_format(
-    checkpoint: WeightFormat, run: WeightFormat, want: float
-) -> None:
-    assert tolerance_for(checkpoint, run) == want
-
-
 def test_lossy_tolerances_are_looser_than_the_exact_ones() -> None:
     assert max(TOLERANCE.values()) < LOSSY_FP8_TOLERANCE < LOSSY_MXFP4_TOLERANCE < 1
 
@@ -54,11 +47,15 @@ KERNEL_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("checkpoint", "run", "want"), KERNEL_CASES)
-def test_tolerance_with_the_kernels_fp8_rounding(
-    checkpoint: WeightFormat, run: WeightFormat, want: float
+@pytest.mark.parametrize(
+    ("checkpoint", "run", "rounding", "want"),
+    [(*case[:2], False, case[2]) for case in CASES]
+    + [(*case[:2], True, case[2]) for case in KERNEL_CASES],
+)
+def test_tolerance_per_stored_and_run_format(
+    checkpoint: WeightFormat, run: WeightFormat, rounding: bool, want: float
 ) -> None:
-    assert tolerance_for(checkpoint, run, kernel_rounding=True) == want
+    assert tolerance_for(checkpoint, run, kernel_rounding=rounding) == want
 
 
 def test_the_kernels_rounding_only_loosens() -> None:
