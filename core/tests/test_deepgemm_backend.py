@@ -747,6 +747,24 @@ def test_auto_leaves_a_layer_the_kernel_refuses_to_the_reference(
         one_rank_experts(E, H, INTER, backend="deepgemm", swiglu_limit=7.0, **common)
 
 
+def test_which_backends_round_activations_to_fp8(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ``verify`` judges a layer's error by: the kernel in a quantized format, and the
+    reference only where it emulates the kernel; never BF16."""
+    install(monkeypatch, "sm100")
+
+    def rounds(fmt: str, backend: str, emulate: bool = False) -> bool:
+        experts = one_rank_experts(
+            E, H, INTER, top_k=TOP_K, weight_format=fmt, checkpoint_format=fmt,
+            backend=backend, emulate_kernel=emulate,
+        )  # fmt: skip
+        return experts.backend.rounds_activations(experts)
+
+    assert rounds("mxfp8", "deepgemm") and rounds("mxfp4", "deepgemm")
+    assert not rounds("bf16", "deepgemm")
+    assert rounds("mxfp8", "reference", emulate=True)
+    assert not rounds("mxfp8", "reference") and not rounds("bf16", "reference", emulate=True)
+
+
 def test_the_demo_checkpoints_fit_the_hopper_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     install(monkeypatch, "sm90")
     sizes = DEMO_SIZES

@@ -147,8 +147,8 @@ def verify_layer(
         num_tokens: tokens in the forward.
         seed: seeds the random tokens.
         tolerance: accepted error; None uses ``tolerance_for`` (of the source's format
-            when ``against`` is given; with the kernel's FP8 rounding where the experts
-            ran on a backend other than the reference).
+            when ``against`` is given; with the kernel's FP8 rounding where the experts'
+            backend rounds activations, ``ExpertsBackend.rounds_activations``).
         against: the checkpoint ``reader`` was converted from and its layer of the same
             prefix (same adapter and sizes): the reference is computed from it.
         on_stage: called with ``"load"``, ``"forward"`` and ``"reference"`` as each starts.
@@ -196,13 +196,14 @@ def verify_layer(
             f"has {tuple(ref.shape)}"
         )
     run_format = block.experts.weight_format
-    backend_name = block.experts.backend.name
+    experts = block.experts
     if tolerance is None:
-        tolerance = tolerance_for(source_format, run_format, backend_name != "reference")
+        rounding = experts.backend.rounds_activations(experts)
+        tolerance = tolerance_for(source_format, run_format, rounding)
     return LayerCheck(
         layer=layer,
         run_format=run_format,
-        backend=backend_name,
+        backend=experts.backend.name,
         max_rel_error=max_rel_error(out, ref),
         tolerance=tolerance,
         load_seconds=load_seconds,

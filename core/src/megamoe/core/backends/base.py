@@ -109,6 +109,15 @@ class ExpertsBackend(abc.ABC):
         """
         del experts
 
+    def rounds_activations(self, experts: MegaMoEExperts) -> bool:
+        """Whether this backend rounds the layer's activations to FP8, as the kernel does.
+
+        Judges how far the output may stray from a float64 reference
+        (``verify.tolerance_for``). The default is no.
+        """
+        del experts
+        return False
+
     @property
     def kernel_weights(self) -> dict[str, torch.Tensor]:
         """Tensors the backend's kernel reads, by name, views of the experts' own included.

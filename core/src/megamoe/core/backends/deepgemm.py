@@ -307,6 +307,10 @@ class DeepGemmBackend(ExpertsBackend):
             return False
         return fuses_shared(module, kind)
 
+    def rounds_activations(self, experts: MegaMoEExperts) -> bool:
+        """In every quantized format: the kernels take FP8 activations (not the BF16 one)."""
+        return experts.weight_format is not WeightFormat.BF16
+
     @property
     def kernel_weights(self) -> dict[str, torch.Tensor]:
         """The tensors the kernel reads, by name (empty before the first ``prepare``)."""

@@ -143,6 +143,10 @@ class ReferenceBackend(ExpertsBackend):
             )
         return dense
 
+    def rounds_activations(self, experts: MegaMoEExperts) -> bool:
+        """With ``emulate_kernel``, in a quantized format: it rounds as the kernel does."""
+        return experts.emulate_kernel and experts.weight_format is not WeightFormat.BF16
+
     def _rounding(self, experts: MegaMoEExperts) -> KernelRounding | None:
         return ACTIVATION_ROUNDING[experts.weight_format] if experts.emulate_kernel else None
 
