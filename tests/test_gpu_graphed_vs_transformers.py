@@ -5,7 +5,7 @@ block-FP8 checkpoints at sizes the Hopper kernel runs; each first MoE layer buil
 kernel with its defaults (the shared expert on the auxiliary stream inside graphs, its
 GEMMs on half the SMs up to ``gemm_sm_target.SMALL_GEMM_ROWS`` tokens; the router kernel
 writing the kernel's inputs). One replay of a graph of ``block(x)`` at 1, 17 and 64 tokens
-against:
+(and eager calls at 300 and 1024 tokens, where the router stays one launch) against:
 
 - transformers' own MoE module in float64 (``transformers_oracle.reference_moe``): the
   routing the graph's router wrote (the dispatch buffer's ids) is transformers' choice on
@@ -40,6 +40,7 @@ pytestmark = [
 FLOAT_TOL = 0.08  # relative Frobenius error against transformers' float64 module
 GRAPHED_TOL = 1e-3  # relative Frobenius error of a replay against the eager forward
 TOKEN_COUNTS = (1, 17, 64)
+EAGER_TOKEN_COUNTS = (300, 1024)  # where eager routers under 256 experts changed path
 SWIGLU_LIMIT = 1.5
 ADAPTERS = {"qwen4_exp": QWEN4EXP, "glm5_next": GLM5NEXT}  # from source: no entry points
 
@@ -49,10 +50,11 @@ def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual.double().cpu() - expected).norm() / expected.norm())
 
 
-@pytest.mark.parametrize("family", ["qwen4_exp", "glm5_next"])
-def test_a_graphed_block_matches_transformers(tmp_path: Path, family: str) -> None:
+def _tiny_block(tmp_path: Path, family: str, max_tokens: int):
+    """A tiny transformers model of ``family`` saved as block-FP8, and its first MoE layer
+    built on the kernel with its defaults: ``(model, layer, block)``."""
     pytest.importorskip("transformers", minversion="5.24.0")
-    from transformers_oracle import KERNEL_SIZES, build_tiny_model, reference_moe, save_checkpoint
+    from transformers_oracle import KERNEL_SIZES, build_tiny_model, save_checkpoint
 
     skip_unless_block_fp8_kernel()
     limit = {"swiglu_limit": SWIGLU_LIMIT} if family == "glm5_next" else {}
@@ -63,10 +65,35 @@ def test_a_graphed_block_matches_transformers(tmp_path: Path, family: str) -> No
     layer = reader.layers[0]
     parallel = ParallelSettings(ep_group=single_rank_group("cuda"))
     block = adapter.build_block(
-        reader.config, layer, parallel=parallel, device="cuda", max_num_tokens=max(TOKEN_COUNTS)
+        reader.config, layer, parallel=parallel, device="cuda", max_num_tokens=max_tokens
     )
     block.load_from_checkpoint(reader)
     assert block.experts.backend.name == "deepgemm"
+    return tiny, layer, block
+
+
+def _against_transformers(tiny, layer, block, x: torch.Tensor, out: torch.Tensor) -> str:
+    """Check ``out`` = ``block(x)`` (whose router filled the kernel's inputs) against
+    transformers' module: the same routing on every token away from ties, the output within
+    ``FLOAT_TOL`` there. Returns what was measured, for the log."""
+    from transformers_oracle import reference_moe
+
+    dispatch = block.experts.dispatch_buffer(x)
+    assert dispatch is not None, "the router kernel did not fill the kernel's inputs"
+    count = x.shape[0]
+    ids = dispatch.topk_ids[:count].sort(dim=-1).values.cpu()
+    oracle = reference_moe(tiny, layer.prefix, x.cpu())
+    away = oracle.margin > MIN_MARGIN
+    mismatched = int(((ids != oracle.topk_ids).any(dim=-1) & away).sum())
+    error = _relative(out[away.cuda()], oracle.output[away]) if bool(away.any()) else 0.0
+    assert mismatched == 0
+    assert error <= FLOAT_TOL
+    return f"{count} tokens ({int(away.sum())} away from ties): vs transformers {error:.4f}"
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp", "glm5_next"])
+def test_a_graphed_block_matches_transformers(tmp_path: Path, family: str) -> None:
+    tiny, layer, block = _tiny_block(tmp_path, family, max(TOKEN_COUNTS))
     assert block.aux_stream.stream is not None  # type: ignore[attr-defined]
     hidden = block.experts.hidden_size
     for count in TOKEN_COUNTS:
@@ -75,21 +102,23 @@ def test_a_graphed_block_matches_transformers(tmp_path: Path, family: str) -> No
         with torch.no_grad():
             eager = block(x)
             graphed = replayed_output(partial(block, x))
-        dispatch = block.experts.dispatch_buffer(x)
-        assert dispatch is not None, "the router kernel did not fill the kernel's inputs"
-        graphed_ids = dispatch.topk_ids[:count].sort(dim=-1).values.cpu()
-        oracle = reference_moe(tiny, layer.prefix, x.cpu())
-        away = oracle.margin > MIN_MARGIN
-        mismatched = int(((graphed_ids != oracle.topk_ids).any(dim=-1) & away).sum())
+        measured = _against_transformers(tiny, layer, block, x, graphed)
         vs_eager = _relative(graphed, eager)
-        vs_transformers = (
-            _relative(graphed[away.cuda()], oracle.output[away]) if bool(away.any()) else 0.0
-        )
-        print(
-            f"[graphed {family}] {count} tokens ({int(away.sum())} away from ties): graph vs "
-            f"transformers {vs_transformers:.4f}, vs eager {vs_eager:.2e}, routing "
-            f"mismatches {mismatched}"
-        )
-        assert mismatched == 0
-        assert vs_transformers <= FLOAT_TOL
+        print(f"[graphed {family}] {measured}, vs eager {vs_eager:.2e}")
         assert vs_eager <= GRAPHED_TOL
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp", "glm5_next"])
+def test_an_eager_block_past_256_tokens_matches_transformers(tmp_path: Path, family: str) -> None:
+    """Eagerly a router under 256 experts stays one launch up to 1024 tokens (graphs take
+    cuBLAS's logits from 256): its routing and the block's output against transformers."""
+    tiny, layer, block = _tiny_block(tmp_path, family, max(EAGER_TOKEN_COUNTS))
+    router = getattr(block, "router_kernel", None) or block.gate.kernel  # type: ignore[attr-defined]
+    assert router.matmul_tokens <= min(EAGER_TOKEN_COUNTS)
+    assert max(EAGER_TOKEN_COUNTS) < router.eager_matmul_tokens
+    for count in EAGER_TOKEN_COUNTS:
+        gen = torch.Generator().manual_seed(count)
+        x = torch.randn(count, block.experts.hidden_size, generator=gen).bfloat16().cuda()
+        with torch.no_grad():
+            out = block(x)
+        print(f"[eager {family}] {_against_transformers(tiny, layer, block, x, out)}")
