@@ -13,6 +13,9 @@ launch time included, as an engine's eager prefill sees it):
   dispatch buffer, so the routing comes back in fresh tensors): under
   ``eager_matmul_tokens`` (64 for E >= 256, else 1025) one launch computing the logits
   and the selection, from there cuBLAS's logits and the selection's launch;
+- ``dispatch``: ``triton`` as the DeepGEMM blocks call it, with the experts' dispatch
+  buffer: the launch also writes the kernel's FP8 activations, scales and routing there
+  (replacing DeepGEMM's pre-dispatch launch) and allocates nothing;
 - ``kernel``: the Triton selection alone, on given logits;
 - ``graphed``: a CUDA graph of ``triton``, replayed (no host time), beside graphs of the
   matmul alone (``mm graphed``) and of the torch path (``torch graphed``): GPU time;
@@ -40,6 +43,7 @@ from typing import Any
 import torch
 
 from harness import cuda_graph_replay, cuda_median_ms, format_table, write_json
+from megamoe.core.backends.base import DISPATCH_GROUP, DispatchBuffer
 from megamoe.core.kernels import one_launch_router, router_scratch
 from megamoe.core.router_logits import router_logits
 from megamoe.glm5next.config import Glm5NextConfig
@@ -55,6 +59,7 @@ ROUTERS = {
     "bench-block-glm": ("sigmoid", 64, 8, 1, 1, 4096),  # and its GLM one (float32 weight)
 }
 TARGET_US = 30.0
+MAX_TOKENS = 4096  # the routers' tickets and scratch, as a block of max_num_tokens=4096
 COLUMNS = (
     ("router", "<12", "router"),
     ("tokens", ">6.0f", "tokens"),
@@ -62,6 +67,7 @@ COLUMNS = (
     ("matmul", ">7.1f", "matmul_us"),
     ("torch", ">7.1f", "torch_us"),
     ("triton", ">7.1f", "triton_us"),
+    ("dispatch", ">8.1f", "dispatch_us"),
     ("kernel", ">7.1f", "kernel_us"),
     ("graphed", ">8.1f", "graphed_us"),
     ("mm graphed", ">10.1f", "matmul_graphed_us"),
@@ -89,8 +95,20 @@ class Router:
     matmul: Callable[[torch.Tensor], torch.Tensor]
     torch_path: Callable[[torch.Tensor], object]
     one_launch: Callable[[torch.Tensor], object]
+    dispatched: Callable[[torch.Tensor], object]
     select: Callable[[torch.Tensor], object]
     without_planes: Callable[[torch.Tensor], object] | None = None
+
+
+def dispatch_buffer(hidden: int, top_k: int) -> DispatchBuffer:
+    """A Hopper MegaMoE kernel's input buffer for calls of up to ``MAX_TOKENS`` tokens."""
+    rows = MAX_TOKENS
+    return DispatchBuffer(
+        torch.empty(rows, hidden, dtype=torch.float8_e4m3fn, device="cuda"),
+        torch.empty(rows, hidden // DISPATCH_GROUP, device="cuda"),
+        torch.empty(rows, top_k, dtype=torch.int64, device="cuda"),
+        torch.empty(rows, top_k, device="cuda"),
+    )
 
 
 def build(name: str) -> Router:
@@ -101,15 +119,17 @@ def build(name: str) -> Router:
         weight = torch.empty(num_experts, hidden, device="cuda").normal_(0.0, 0.02, generator=gen)
         weight = weight.bfloat16()
         kernel, tickets = one_launch_router(
-            "softmax", 4096, "cuda", num_experts=num_experts, top_k=top_k, norm_topk_prob=True
+            "softmax", MAX_TOKENS, "cuda", num_experts=num_experts, top_k=top_k, norm_topk_prob=True
         )
         assert kernel is not None and tickets is not None
-        scratch = router_scratch(kernel, 4096, hidden, "cuda")  # as Qwen4Exp's block keeps it
+        scratch = router_scratch(kernel, MAX_TOKENS, hidden, "cuda")  # as Qwen4Exp's block keeps it
+        dispatch = dispatch_buffer(hidden, top_k)
         return Router(
             hidden,
             lambda x: router_logits(x, weight),
             lambda x: softmax_topk(router_logits(x, weight), top_k, True),
             lambda x: kernel.route(x, weight, tickets, scratch=scratch),
+            lambda x: kernel.route(x, weight, tickets, dispatch=dispatch, scratch=scratch),
             kernel.select,
         )
     config = Glm5NextConfig.from_dict(
@@ -122,17 +142,19 @@ def build(name: str) -> Router:
             "topk_group": topk_group,
         }
     )
-    router = Glm5NextRouter(config, device="cuda", max_num_tokens=4096)
+    router = Glm5NextRouter(config, device="cuda", max_num_tokens=MAX_TOKENS)
     with torch.no_grad():
         router.weight.normal_(0.0, 0.02, generator=gen)
         router.e_score_correction_bias.uniform_(0.0, 1e-3, generator=gen)
     route, bias, kernel = router.routing, router.e_score_correction_bias, router.kernel
     assert kernel is not None
+    dispatch = dispatch_buffer(hidden, top_k)
     return Router(
         hidden,
         lambda x: router_logits(x, router.weight),
         lambda x: route_logits(router_logits(x, router.weight), bias, use_triton=False, **route),
         router,
+        lambda x: router(x, dispatch),
         lambda logits: route_logits(logits, bias, use_triton=True, **route),
         lambda x: kernel.route(x, router.weight, router.tickets, bias),
     )
@@ -156,6 +178,7 @@ def measure(name: str, router: Router, count: int, args: argparse.Namespace) -> 
             "matmul_us": time(lambda: router.matmul(x)),
             "torch_us": time(lambda: router.torch_path(x)),
             "triton_us": time(lambda: router.one_launch(x)),
+            "dispatch_us": time(lambda: router.dispatched(x)),
             "kernel_us": time(lambda: router.select(logits)),
             "graphed_us": time(cuda_graph_replay(lambda: router.one_launch(x))),
             "matmul_graphed_us": time(cuda_graph_replay(lambda: router.matmul(x))),

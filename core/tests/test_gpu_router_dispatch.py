@@ -183,3 +183,21 @@ def test_a_buffer_that_fitted_once_is_still_checked_for_its_rows_and_hidden_size
     wrong_ids = good._replace(topk_ids=good.topk_ids.int())  # a new tuple: checked again
     with pytest.raises(ValueError, match=r"dispatch buffer of .*torch.int32"):
         router.route(_activations(16), weight, tickets, bias, planes, wrong_ids)
+
+
+@pytest.mark.parametrize("name", ["softmax-E64-bf16", "sigmoid-E288-planes"])
+def test_routing_rows_of_a_kept_view_follow_each_call(name: str) -> None:
+    """The routing a dispatch call returns is a kept view of the buffer's rows per call size
+    (``TritonRouter._routing_views``): sizes coming back in any order get views of their
+    own rows holding that call's routing (both paths: one launch, and cuBLAS then the
+    selection from 64 tokens for E >= 256)."""
+    router, tickets, weight, bias, planes = _router(name)
+    dispatch = _garbage(ROUTERS[name][2])
+    for tokens in (1, 300, 17, 1, 300):
+        x = _activations(tokens)
+        fresh_weights, fresh_ids, _ = router.route(x, weight, tickets, bias, planes)
+        weights, ids, _ = router.route(x, weight, tickets, bias, planes, dispatch)
+        assert weights.shape == ids.shape == (tokens, ROUTERS[name][2])
+        assert weights.data_ptr() == dispatch.topk_weights.data_ptr()
+        assert_bitwise_equal(weights, fresh_weights, f"{name}, {tokens} tokens, weights")
+        assert_bitwise_equal(ids, fresh_ids.long(), f"{name}, {tokens} tokens, ids")

@@ -404,3 +404,31 @@ def test_a_scratch_too_small_is_refused(kernels) -> None:
     small = torch.empty(288, device="cuda")  # the logits fit; the partial sums do not
     with pytest.raises(ValueError, match=r"scratch of 288 torch.float32 entries; a call of 1"):
         router.route(x, weight, tickets, bias, scratch=small)
+
+
+@pytest.mark.parametrize("name", ["qwen-softmax-norm", "glm-sigmoid-E288"])
+def test_kept_scratch_views_follow_each_call(kernels, monkeypatch, name: str) -> None:
+    """An eager call keeps its scratch views per call size (``TritonRouter._keep_views``):
+    calls of sizes coming back in any order give the fresh tensors' bits and logits of
+    their own shape in the scratch; a full cache starts over and stays right; a new scratch
+    replaces the old one's views."""
+    from megamoe.core.kernels import router_scratch, router_triton
+
+    router, tickets, weight, bias = _router(kernels, name)
+    scratch = router_scratch(router, 1024, HIDDEN, "cuda")
+    monkeypatch.setattr(router_triton, "KEPT_VIEWS", 3)
+    sizes = [1, 17, 1, 40, 17, 5, 1, 40]
+    for tokens in sizes:
+        x = torch.randn(tokens, HIDDEN, device="cuda").bfloat16()
+        fresh = router.route(x, weight, tickets, bias)
+        kept = router.route(x, weight, tickets, bias, scratch=scratch)
+        for field, a, b in zip(("weights", "ids", "logits"), kept, fresh, strict=True):
+            assert_bitwise_equal(a, b, f"{name}, {tokens} tokens, {field} with kept views")
+        assert kept[2].shape == (tokens, weight.shape[0])
+        assert kept[2].data_ptr() == scratch.data_ptr()
+        assert len(router._views[torch.Tensor][1]) <= 3
+    other = router_scratch(router, 1024, HIDDEN, "cuda")  # the module moved: a new scratch
+    x = torch.randn(17, HIDDEN, device="cuda").bfloat16()
+    kept = router.route(x, weight, tickets, bias, scratch=other)
+    assert kept[2].data_ptr() == other.data_ptr(), "views of the old scratch handed out"
+    assert router._views[torch.Tensor][0] is other, "the old scratch is still kept alive"

@@ -603,6 +603,9 @@ EAGER_MATMUL_TOKENS = 1025
 # How a launch reads the router weight: bf16 (one product), float32 split into three bf16
 # parts in registers, or those parts given (``router_logits.weight_planes``, (3E, H)).
 WEIGHT_BF16, WEIGHT_FP32, WEIGHT_PLANES = 0, 1, 2
+# Call sizes whose scratch views, and whose dispatch-buffer views, a router keeps (each a
+# few hundred bytes; an engine's eager calls come in a few sizes; a full set starts over).
+KEPT_VIEWS = 256
 
 
 class _Plan(NamedTuple):
@@ -670,6 +673,9 @@ class TritonRouter:
         init=False, repr=False, compare=False, default_factory=dict
     )
     _fitting: dict[int, DispatchBuffer] = field(
+        init=False, repr=False, compare=False, default_factory=dict
+    )
+    _views: dict[type, tuple[Any, dict[Hashable, tuple[Any, ...]]]] = field(
         init=False, repr=False, compare=False, default_factory=dict
     )
 
@@ -914,7 +920,7 @@ class TritonRouter:
             plan.constexprs, plan.num_warps,
         )  # fmt: skip
         if dispatch is not None:
-            return (*dispatch.routing(tokens), logits)
+            return (*self._routing_views(dispatch, tokens), logits)
         return weights, ids, logits
 
     def _takes_matmul(self, tokens: int) -> bool:
@@ -961,19 +967,57 @@ class TritonRouter:
             if splits == 1:
                 return logits, hidden_states
             return logits, hidden_states.new_empty((splits, tokens, experts), dtype=torch.float32)
-        if scratch.numel() < _scratch_end(size, splits) or scratch.dtype != torch.float32:
-            raise ValueError(
-                f"router (triton): a scratch of {scratch.numel()} {scratch.dtype} entries; a "
-                f"call of {tokens} tokens in {splits} hidden-size splits needs "
-                f"{_scratch_end(size, splits)} float32 (size it with scratch_floats() for the "
-                "layer's max_num_tokens and hidden size)"
-            )
-        logits = scratch.as_strided((tokens, experts), (experts, 1))
-        if splits == 1:
-            return logits, hidden_states
-        return logits, scratch.as_strided(
-            (splits, tokens, experts), (size, experts, 1), _partial_offset(size)
-        )
+        views = self._cached_views(scratch, (tokens, splits))
+        if views is None:
+            if scratch.numel() < _scratch_end(size, splits) or scratch.dtype != torch.float32:
+                raise ValueError(
+                    f"router (triton): a scratch of {scratch.numel()} {scratch.dtype} entries; "
+                    f"a call of {tokens} tokens in {splits} hidden-size splits needs "
+                    f"{_scratch_end(size, splits)} float32 (size it with scratch_floats() for "
+                    "the layer's max_num_tokens and hidden size)"
+                )
+            logits = scratch.as_strided((tokens, experts), (experts, 1))
+            partial = None
+            if splits > 1:
+                partial = scratch.as_strided(
+                    (splits, tokens, experts), (size, experts, 1), _partial_offset(size)
+                )
+            views = self._keep_views(scratch, (tokens, splits), (logits, partial))
+        logits, partial = views
+        return logits, hidden_states if partial is None else partial
+
+    def _routing_views(self, dispatch: DispatchBuffer, tokens: int) -> tuple[Any, ...]:
+        """``dispatch.routing(tokens)``, kept per call size (:meth:`_cached_views`)."""
+        if torch.compiler.is_compiling():
+            return dispatch.routing(tokens)
+        views = self._cached_views(dispatch, tokens)
+        if views is None:
+            views = self._keep_views(dispatch, tokens, dispatch.routing(tokens))
+        return views
+
+    def _cached_views(self, owner: torch.Tensor | DispatchBuffer, size: Hashable) -> Any:
+        """Views of ``owner`` kept for calls of ``size`` by :meth:`_keep_views`, or None.
+
+        An eager forward asks for the same views of the same scratch and dispatch buffer at
+        every call of a size, and each view made afresh is a dispatcher call (1-2 us of host
+        time). Views are kept for the last scratch and the last dispatch buffer seen (one
+        each per layer), by identity: a new one (the module moved, a buffer rebuilt)
+        replaces its kind's views and releases the old owner.
+        """
+        kept = self._views.get(type(owner))
+        if kept is None or kept[0] is not owner:
+            return None
+        return kept[1].get(size)
+
+    def _keep_views(
+        self, owner: torch.Tensor | DispatchBuffer, size: Hashable, views: tuple[Any, ...]
+    ) -> tuple[Any, ...]:
+        """Keep ``views`` of ``owner`` for :meth:`_cached_views`; a full set starts over."""
+        kept = self._views.get(type(owner))
+        if kept is None or kept[0] is not owner or len(kept[1]) >= KEPT_VIEWS:
+            kept = self._views[type(owner)] = (owner, {})
+        kept[1][size] = views
+        return views
 
     def _check_dispatch(self, dispatch: DispatchBuffer, tokens: int, hidden: int) -> None:
         """Refuse a dispatch buffer whose dtypes or shapes do not fit this call.
@@ -1066,7 +1110,7 @@ class TritonRouter:
             plan.constexprs, plan.num_warps,
         )  # fmt: skip
         if filled is not None:
-            return filled.routing(tokens)
+            return self._routing_views(filled, tokens)
         return weights, ids
 
 
