@@ -312,7 +312,7 @@ def _captured(call):
 @pytest.mark.parametrize("tokens", [256, 1024])
 @pytest.mark.parametrize("name", ["qwen-softmax-norm", "sigmoid-no-norm-E64"])
 def test_eager_calls_keep_one_launch_where_graphs_take_cublas(
-    kernels, name: str, tokens: int
+    kernels, monkeypatch, name: str, tokens: int
 ) -> None:
     """Under 256 experts, from ``matmul_tokens`` to 1024 tokens: an eager call is the one
     launch (its logits land in the scratch, within ``LOGIT_TOL`` of float64, and its
@@ -331,8 +331,14 @@ def test_eager_calls_keep_one_launch_where_graphs_take_cublas(
         return router.route(x, weight, tickets, bias, scratch=scratch)
 
     graphed = [t.clone() for t in _captured(call)]
+    gemms = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda *a, **k: gemms.append(a) or real_mm(*a, **k))
     eager = call()
-    assert eager[2].data_ptr() == scratch.data_ptr(), "the eager call did not take one launch"
+    monkeypatch.undo()
+    # One launch: no torch GEMM (a bf16 weight's cuBLAS logits would land in the scratch
+    # too), and the logits in the scratch (a float32 weight's would be fresh).
+    assert not gemms and eager[2].data_ptr() == scratch.data_ptr(), "eager took cuBLAS"
     if weight.dtype == torch.bfloat16:
         cublas = torch.mm(x, weight.t(), out_dtype=torch.float32)
     else:
@@ -432,3 +438,30 @@ def test_kept_scratch_views_follow_each_call(kernels, monkeypatch, name: str) ->
     kept = router.route(x, weight, tickets, bias, scratch=other)
     assert kept[2].data_ptr() == other.data_ptr(), "views of the old scratch handed out"
     assert router._views[torch.Tensor][0] is other, "the old scratch is still kept alive"
+
+
+@pytest.mark.parametrize("name", ["qwen4exp-E512", "glm-sigmoid-E288"])
+def test_a_cublas_call_writes_into_the_scratch_where_it_fits(kernels, name: str) -> None:
+    """From ``matmul_tokens`` a call with a scratch writes cuBLAS's products and the logits
+    there where they fit (``TritonRouter._matmul_workspace``; a float32 weight with its bf16
+    parts: (T, 3E) products, then the (T, E) logits) and takes fresh tensors past that:
+    either way the weights, ids and logits are the fresh call's bits."""
+    from megamoe.core.kernels import router_scratch
+    from megamoe.core.router_logits import weight_planes
+
+    router, tickets, weight, bias = _router(kernels, name)
+    planes = weight_planes(weight) if weight.dtype == torch.float32 else None
+    scratch = router_scratch(router, 1024, HIDDEN, "cuda")
+    experts = weight.shape[0]
+    per_token = experts * (1 if planes is None else 4)  # products, then logits with parts
+    fitting = scratch.numel() // per_token
+    assert fitting >= router.matmul_tokens + 8, "the test's scratch fits no cuBLAS call"
+    for tokens in (router.matmul_tokens, fitting - 4, fitting + 4, 1024):
+        x = torch.randn(tokens, HIDDEN, device="cuda").bfloat16()
+        fresh = router.route(x, weight, tickets, bias, planes)
+        scratch.fill_(float("nan"))
+        kept = router.route(x, weight, tickets, bias, planes, scratch=scratch)
+        for field, a, b in zip(("weights", "ids", "logits"), kept, fresh, strict=True):
+            assert_bitwise_equal(a, b, f"{name}, {tokens} tokens, {field} with a scratch")
+        inside = scratch.data_ptr() <= kept[2].data_ptr() < scratch.data_ptr() + scratch.nbytes
+        assert inside == (tokens < fitting), f"{name}, {tokens} tokens: logits in the scratch"
