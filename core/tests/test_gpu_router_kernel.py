@@ -444,7 +444,7 @@ def test_kept_scratch_views_follow_each_call(kernels, monkeypatch, name: str) ->
 def test_a_cublas_call_writes_into_the_scratch_where_it_fits(kernels, name: str) -> None:
     """From ``matmul_tokens`` a call with a scratch writes cuBLAS's products and the logits
     there where they fit (``TritonRouter._matmul_workspace``; a float32 weight with its bf16
-    parts: (T, 3E) products, then the (T, E) logits) and takes fresh tensors past that:
+    parts: the (T, E) logits, then the (T, 3E) products) and takes fresh tensors past that:
     either way the weights, ids and logits are the fresh call's bits."""
     from megamoe.core.kernels import router_scratch
     from megamoe.core.router_logits import weight_planes

@@ -1000,14 +1000,14 @@ class TritonRouter:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Views of ``scratch`` for a cuBLAS call: its products and its logits, or None.
 
-        The products (T, ``parts`` x E) come first; with a float32 weight's ``parts`` (3)
-        the logits (T, E) the selection adds follow, 16-byte aligned, else the products are
-        the logits. None (fresh tensors) while ``torch.compile`` traces, without a scratch,
-        or where the call does not fit in it: ``scratch_floats`` sizes it for one-launch
-        calls, which covers Qwen4-Exp's router (E=512, H=2048) to 315 tokens and
-        GLM-5.3-Flash's (E=288, three parts, H=4096) to 126 (a layer of
-        ``max_num_tokens`` 64 or more). Writing the GEMM into a given ``out``
-        saved 10 us of its host time on the H200 (17 against 27 us).
+        The one launch's layout (``_scratch_end``): the logits (T, E) first, then, with a
+        float32 weight's ``parts`` (3), the GEMM's products (T, 3E), 16-byte aligned, which
+        the selection adds into them; with one part the products are the logits. None
+        (fresh tensors) while ``torch.compile`` traces, without a scratch, or where the call
+        does not fit in it: ``scratch_floats`` sizes it for one-launch calls, which covers
+        Qwen4-Exp's router (E=512, H=2048) to 315 tokens and GLM-5.3-Flash's (E=288, three
+        parts, H=4096) to 126 (a layer of ``max_num_tokens`` 64 or more). Writing the GEMM
+        into a given ``out`` saved 10 us of its host time on the H200 (17 against 27 us).
         """
         if scratch is None or torch.compiler.is_compiling():
             return None
@@ -1015,17 +1015,17 @@ class TritonRouter:
         views = self._cached_views(scratch, size)
         if views is None:
             experts = self.num_experts
-            products = tokens * parts * experts
-            logits_at = _partial_offset(products)
-            end = products if parts == 1 else logits_at + tokens * experts
-            if end > scratch.numel() or scratch.dtype != torch.float32:
-                return None
-            given = scratch.as_strided((tokens, parts * experts), (parts * experts, 1))
-            logits = given
-            if parts > 1:
-                logits = scratch.as_strided((tokens, experts), (experts, 1), logits_at)
-            views = self._keep_views(scratch, size, (given, logits))
-        return views
+            logits = tokens * experts
+            views = ()  # kept too: a call that does not fit is not measured again
+            if scratch.numel() >= _scratch_end(logits, parts) and scratch.dtype == torch.float32:
+                given = out = scratch.as_strided((tokens, experts), (experts, 1))
+                if parts > 1:
+                    given = scratch.as_strided(
+                        (tokens, parts * experts), (parts * experts, 1), _partial_offset(logits)
+                    )
+                views = (given, out)
+            self._keep_views(scratch, size, views)
+        return views or None
 
     def _routing_views(self, dispatch: DispatchBuffer, tokens: int) -> tuple[Any, ...]:
         """``dispatch.routing(tokens)``, kept per call size (:meth:`_cached_views`)."""
