@@ -56,12 +56,12 @@ from harness import (
     synced_sample,
     write_json,
 )
-from megamoe.core import quant
 from megamoe.core.adapters import MoEBlock, SyntheticSizes
 from megamoe.core.backends.symm_buffer import resolve_group
-from megamoe.core.formats import WeightFormat
-from megamoe.core.parallel import ParallelSettings
-from megamoe.core.shared_expert import AuxStream
+from megamoe.core.modules.parallel import ParallelSettings
+from megamoe.core.modules.shared_expert import AuxStream
+from megamoe.core.numerics import quant
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.glm5next import ADAPTER as GLM
 from megamoe.qwen4exp import ADAPTER as QWEN
 

@@ -32,7 +32,7 @@ from harness import (
     host_us,
     write_json,
 )
-from megamoe.core.router_logits import router_logits
+from megamoe.core.numerics.router_logits import router_logits
 from megamoe.qwen4exp.combine_triton import gated_add
 
 COLUMNS = (

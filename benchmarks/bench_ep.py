@@ -58,13 +58,14 @@ import torch
 import torch.distributed as dist
 
 from harness import cuda_median_ms, format_table, write_json
-from megamoe.core import quant, testing
+from megamoe.core import testing
 from megamoe.core.adapters import ModelAdapter, MoEBlock, SyntheticSizes
 from megamoe.core.backends import symm_buffer
-from megamoe.core.expert_names import EXPERT_PROJS, WEIGHT
-from megamoe.core.formats import WeightFormat
-from megamoe.core.parallel import ParallelSettings, single_rank_group
-from megamoe.core.verify import max_rel_error, tolerance_for
+from megamoe.core.checkpoint.expert_names import EXPERT_PROJS, WEIGHT
+from megamoe.core.cli.verify import max_rel_error, tolerance_for
+from megamoe.core.modules.parallel import ParallelSettings, single_rank_group
+from megamoe.core.numerics import quant
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.glm5next import ADAPTER as GLM
 from megamoe.qwen4exp import ADAPTER as QWEN
 
@@ -72,7 +73,7 @@ FMT = WeightFormat.FP8_BLOCK
 ADAPTERS = {a.name: a for a in (GLM, QWEN)}  # imported: a source checkout has no entry points
 PARTS = ("block", "experts")
 # The kernel against the emulating reference: the accepted error of block-FP8 experts run as
-# stored (megamoe.core.verify; two H200s gave 0.015 per rank as a ratio of norms).
+# stored (megamoe.core.cli.verify; two H200s gave 0.015 per rank as a ratio of norms).
 KERNEL_TOLERANCE = tolerance_for(FMT, FMT)
 # The reference backend over N ranks against one rank, both emulating the kernel: each
 # expert's float32 GEMMs see other rows (every rank's tokens), which may move an output by

@@ -21,6 +21,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from bitcheck import relative_error
 
 from harness import (
     add_shape_args,
@@ -30,10 +31,9 @@ from harness import (
     one_rank_experts,
     write_json,
 )
-from megamoe.core import quant
-from megamoe.core.bitcheck import relative_error
-from megamoe.core.experts import MegaMoEExperts
-from megamoe.core.formats import WeightFormat
+from megamoe.core.modules.experts import MegaMoEExperts
+from megamoe.core.numerics import quant
+from megamoe.core.numerics.formats import WeightFormat
 
 FMT = WeightFormat.FP8_BLOCK
 BACKENDS = ("deepgemm", "reference", "naive", "grouped")

@@ -16,7 +16,7 @@ tensors in Hugging Face naming, several shard files), then times, per (checkpoin
 
 Throughput is checkpoint bytes over time; "ratio" is a load path's time over the plain
 read's. Memory of the ``megamoe`` path: "resident" is what the loaded layer keeps (distinct
-storages of the experts and their backend, ``megamoe.core.memory``) over one copy of the
+storages of the experts and their backend, ``testing/memory.py``) over one copy of the
 run-format weights and scales; "peak" the allocator's peak during the first load, and
 "reload peak" during a full reload of new weights, over the final resident bytes (the
 DeepGEMM symmetric buffer, activation memory, is allocated before measuring).
@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from memory import canonical_bytes, resident_bytes
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -65,10 +66,9 @@ from harness import (
     parse_format_pairs,
     write_json,
 )
-from megamoe.core import quant
-from megamoe.core.experts import MegaMoEExperts
-from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
-from megamoe.core.memory import canonical_bytes, resident_bytes
+from megamoe.core.modules.experts import MegaMoEExperts
+from megamoe.core.numerics import quant
+from megamoe.core.numerics.formats import BLOCK_FP8_DEFAULT, WeightFormat
 
 W = WeightFormat
 DEFAULT_PAIRS = "fp8_block:mxfp8,fp8_block:fp8_block,bf16:fp8_block,mxfp4:fp8_block,bf16:mxfp8"

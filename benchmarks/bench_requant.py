@@ -35,8 +35,8 @@ from harness import (
     parse_format_pairs,
     write_json,
 )
-from megamoe.core import quant
-from megamoe.core.formats import WeightFormat
+from megamoe.core.numerics import quant
+from megamoe.core.numerics.formats import WeightFormat
 
 W = WeightFormat
 # Every conversion the Triton kernels run: any other format to MXFP8, MXFP4 or FP8_BLOCK.

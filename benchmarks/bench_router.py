@@ -44,9 +44,9 @@ from typing import Any
 import torch
 
 from harness import cuda_graph_replay, cuda_median_ms, format_table, write_json
-from megamoe.core.backends.base import DISPATCH_GROUP, DispatchBuffer
 from megamoe.core.kernels import one_launch_router, router_scratch
-from megamoe.core.router_logits import router_logits
+from megamoe.core.numerics.dispatch import DISPATCH_GROUP, DispatchBuffer
+from megamoe.core.numerics.router_logits import router_logits
 from megamoe.glm5next.config import Glm5NextConfig
 from megamoe.glm5next.router import Glm5NextRouter, route_logits
 from megamoe.qwen4exp.block import softmax_topk

@@ -16,7 +16,7 @@ them ``torch act``: the bf16 MLP with its SwiGLU as torch operations (clamp, sil
 multiply) instead of the one Triton launch it takes on CUDA
 (``megamoe.core.kernels.swiglu_triton``), eager and graphed, and the bf16 / torch act
 ratios; and ``half SMs graphed``: the bf16 MLP's graph captured with its GEMMs sized for
-half the SMs (``megamoe.core.gemm_sm_target.GemmSmTarget``, which the blocks' auxiliary
+half the SMs (``megamoe.core.modules.gemm_sm_target.GemmSmTarget``, which the blocks' auxiliary
 stream applies up to ``SMALL_GEMM_ROWS`` tokens; here at every size), over the plain bf16
 graph. Weights are random block-FP8 made on the GPU.
 
@@ -31,13 +31,13 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from memory import distinct_storage_bytes
 
 from harness import cuda_graph_replay, cuda_median_ms, format_table, write_json
-from megamoe.core import quant
-from megamoe.core.formats import WeightFormat
-from megamoe.core.gemm_sm_target import GemmSmTarget
-from megamoe.core.memory import distinct_storage_bytes
-from megamoe.core.shared_expert import SwiGLUMLP
+from megamoe.core.modules.gemm_sm_target import GemmSmTarget
+from megamoe.core.modules.shared_expert import SwiGLUMLP
+from megamoe.core.numerics import quant
+from megamoe.core.numerics.formats import WeightFormat
 
 GLM_SWIGLU_LIMIT = 10.0  # GLM-5.3-Flash's clamp (megamoe.glm5next.config)
 COLUMNS = (

@@ -25,7 +25,7 @@ if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else
 fi
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
-export PYTHONPATH="$root/core/src:$root/qwen4exp/src:$root/glm5next/src:${PYTHONPATH:-}"
+export PYTHONPATH="$root/core/src:$root/qwen4exp/src:$root/glm5next/src:$root/testing:${PYTHONPATH:-}"
 export PYTHONUNBUFFERED=1
 status=0
 run() { echo "### $*"; "$@" || status=1; }

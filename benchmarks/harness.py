@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from megamoe.core import testing
-from megamoe.core.experts import MegaMoEExperts
-from megamoe.core.formats import WeightFormat
+from megamoe.core.modules.experts import MegaMoEExperts
+from megamoe.core.numerics.formats import WeightFormat
 
 
 def add_shape_args(parser: argparse.ArgumentParser, experts: int, top_k: bool = True) -> None:

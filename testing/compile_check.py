@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from bitcheck import relative_error
 
 from megamoe.core.adapters import ModelAdapter, MoEBlock
-from megamoe.core.bitcheck import relative_error
-from megamoe.core.parallel import ParallelSettings
+from megamoe.core.modules.parallel import ParallelSettings
 from megamoe.core.testing import synthetic_layer_tensors
 
 COMPILED_TOLERANCE = 1e-2

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe.core.formats import WeightFormat, detect_arch, resolve_formats
+from megamoe.core.numerics.formats import WeightFormat, detect_arch, resolve_formats
 
 COMPILED_GPU_MARKS = [
     pytest.mark.gpu,

@@ -23,9 +23,9 @@ from transformers_oracle import (
 )
 
 from megamoe.core import ParallelSettings
-from megamoe.core.adapters import MoEBlock
-from megamoe.core.checkpoint import CheckpointReader, open_checkpoint
-from megamoe.core.parallel import single_rank_group
+from megamoe.core.adapters import MoEBlock, open_checkpoint
+from megamoe.core.checkpoint.reader import CheckpointReader
+from megamoe.core.modules.parallel import single_rank_group
 
 TOKENS = 64
 MIN_MARGIN = 1e-3  # selection-score gap below which bf16 rounding may flip a choice

@@ -13,7 +13,7 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-from megamoe.core.convert_output import PARTIAL_MARK
+from megamoe.core.checkpoint.convert_output import PARTIAL_MARK
 
 
 def _is_out(name: str, out: Path) -> bool:

@@ -9,8 +9,8 @@ import torch
 
 from megamoe.core.adapters import SyntheticSizes, installed_adapters
 from megamoe.core.errors import NonFiniteError
-from megamoe.core.formats import WeightFormat
-from megamoe.core.parallel import ParallelSettings, single_rank_group
+from megamoe.core.modules.parallel import ParallelSettings, single_rank_group
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.core.testing import synthetic_layer_tensors
 
 SIZES = SyntheticSizes(num_layers=2, hidden_size=256, intermediate_size=128, num_experts=4)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from megamoe.core.adapters import SyntheticSizes
-from megamoe.core.checkpoint import INDEX_FILE, open_checkpoint
+from megamoe.core.adapters import SyntheticSizes, open_checkpoint
+from megamoe.core.checkpoint.reader import INDEX_FILE
 from megamoe.core.errors import CheckpointError
 from megamoe.core.testing import write_synthetic_checkpoint
 from megamoe.qwen4exp import ADAPTER

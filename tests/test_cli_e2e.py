@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megamoe.core import cli
 from megamoe.core.adapters import SyntheticSizes, installed_adapters
-from megamoe.core.formats import WeightFormat
+from megamoe.core.cli import main as cli
+from megamoe.core.cli.verify import LOSSY_MXFP4_TOLERANCE, TOLERANCE
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.core.testing import write_synthetic_checkpoint
-from megamoe.core.verify import LOSSY_MXFP4_TOLERANCE, TOLERANCE
 
 ADAPTERS = installed_adapters()
 CASES = [(name, fmt) for name, a in ADAPTERS.items() for fmt in a.checkpoint_formats]
@@ -25,9 +25,9 @@ SCRIPT = Path(sys.executable).parent / "megamoe"
 
 
 def megamoe(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m megamoe.core.cli`` (the console script's target) in a subprocess."""
+    """Run ``python -m megamoe.core.cli.main`` (the console script's target) in a subprocess."""
     return subprocess.run(
-        [sys.executable, "-m", "megamoe.core.cli", *args],
+        [sys.executable, "-m", "megamoe.core.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

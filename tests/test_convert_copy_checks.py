@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megamoe.core.adapters import SyntheticSizes, installed_adapters
-from megamoe.core.checkpoint import INDEX_FILE, CheckpointReader
+from megamoe.core.checkpoint.reader import INDEX_FILE, CheckpointReader
 from megamoe.core.convert import convert_checkpoint
 from megamoe.core.errors import InvalidScaleError, NonFiniteError
 from megamoe.core.testing import write_synthetic_checkpoint

@@ -18,16 +18,16 @@ from typing import Any
 
 import pytest
 import torch
+from bitcheck import relative_error
 from gpu_marks import COMPILED_GPU_MARKS
 from sync_check import assert_no_host_sync
 
 from megamoe.core.adapters import MoEBlock, SyntheticSizes
 from megamoe.core.backends.deepgemm import DeepGemmBackend
 from megamoe.core.backends.symm_buffer import resolve_group
-from megamoe.core.bitcheck import relative_error
-from megamoe.core.formats import WeightFormat
-from megamoe.core.parallel import ParallelSettings
-from megamoe.core.shared_expert import AUX_IN_GRAPHS, AuxStream
+from megamoe.core.modules.parallel import ParallelSettings
+from megamoe.core.modules.shared_expert import AUX_IN_GRAPHS, AuxStream
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.core.testing import synthetic_layer_tensors
 from megamoe.glm5next import ADAPTER as GLM
 from megamoe.qwen4exp import ADAPTER as QWEN

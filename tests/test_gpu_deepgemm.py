@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from bitcheck import relative_error
 
 from megamoe.core.backends import symm_buffer
 from megamoe.core.backends.deepgemm import DeepGemmBackend
-from megamoe.core.bitcheck import relative_error
-from megamoe.core.experts import MegaMoEExperts
-from megamoe.core.formats import WeightFormat
+from megamoe.core.modules.experts import MegaMoEExperts
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.core.testing import synthetic_expert_tensors
 
 E, TOP_K, H, INTER, T = 32, 8, 2048, 768, 256

@@ -27,8 +27,8 @@ from gpu_marks import skip_unless_block_fp8_kernel
 from graph_check import replayed_output
 from oracle_check import MIN_MARGIN
 
-from megamoe.core.checkpoint import CheckpointReader
-from megamoe.core.parallel import ParallelSettings, single_rank_group
+from megamoe.core.checkpoint.reader import CheckpointReader
+from megamoe.core.modules.parallel import ParallelSettings, single_rank_group
 from megamoe.glm5next import ADAPTER as GLM5NEXT
 from megamoe.qwen4exp import ADAPTER as QWEN4EXP
 

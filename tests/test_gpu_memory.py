@@ -21,13 +21,13 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from memory import canonical_bytes, resident_bytes
 
-from megamoe.core.arrival import UNPAIRED_DEVICE_SHARE
 from megamoe.core.backends.deepgemm import DeepGemmBackend
-from megamoe.core.expert_loading import RELOAD_STAGING_SHARE
-from megamoe.core.experts import MegaMoEExperts
-from megamoe.core.formats import WeightFormat
-from megamoe.core.memory import canonical_bytes, resident_bytes
+from megamoe.core.loading.arrival import UNPAIRED_DEVICE_SHARE
+from megamoe.core.loading.expert_loading import RELOAD_STAGING_SHARE
+from megamoe.core.modules.experts import MegaMoEExperts
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.core.testing import one_rank_experts
 
 E, TOP_K, H, INTER, T = 64, 8, 4096, 1536, 128

@@ -34,8 +34,8 @@ import pytest
 import torch
 from gpu_marks import skip_unless_block_fp8_kernel
 
-from megamoe.core.experts import MegaMoEExperts
-from megamoe.core.formats import WeightFormat
+from megamoe.core.modules.experts import MegaMoEExperts
+from megamoe.core.numerics.formats import WeightFormat
 
 pytestmark = [
     pytest.mark.gpu,

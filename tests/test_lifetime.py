@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lifetime import assert_freed_without_gc
 
 from megamoe.core.adapters import MoEBlock, SyntheticSizes, installed_adapters
-from megamoe.core.formats import WeightFormat
-from megamoe.core.lifetime import assert_freed_without_gc
-from megamoe.core.parallel import ParallelSettings, single_rank_group
+from megamoe.core.modules.parallel import ParallelSettings, single_rank_group
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.core.testing import synthetic_layer_tensors
 
 ADAPTERS = installed_adapters()

@@ -10,11 +10,11 @@ import pytest
 from safetensors.torch import load_file, save_file
 from transformers_oracle import build_tiny_model, save_checkpoint
 
-from megamoe.core.adapters import SyntheticSizes
-from megamoe.core.checkpoint import INDEX_FILE, open_checkpoint
+from megamoe.core.adapters import SyntheticSizes, open_checkpoint
+from megamoe.core.checkpoint.reader import INDEX_FILE
 from megamoe.core.errors import NonFiniteError
-from megamoe.core.formats import WeightFormat
-from megamoe.core.parallel import ParallelSettings, single_rank_group
+from megamoe.core.modules.parallel import ParallelSettings, single_rank_group
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.core.testing import write_synthetic_checkpoint
 
 SIZES = SyntheticSizes(num_layers=2, hidden_size=256, intermediate_size=128, num_experts=4)

@@ -16,18 +16,18 @@ from typing import Any
 
 import pytest
 import torch
+from bitcheck import assert_bitwise_equal
 
-from megamoe.core import nvfp4
-from megamoe.core.adapters import ModelAdapter, SyntheticSizes, installed_adapters
-from megamoe.core.bitcheck import assert_bitwise_equal
-from megamoe.core.checkpoint import CheckpointReader, open_checkpoint
+from megamoe.core.adapters import ModelAdapter, SyntheticSizes, installed_adapters, open_checkpoint
+from megamoe.core.checkpoint import nvfp4
+from megamoe.core.checkpoint.reader import CheckpointReader
+from megamoe.core.cli.inspection import plan_checkpoint
+from megamoe.core.cli.verify import tolerance_for, verify_layer
 from megamoe.core.convert import convert_checkpoint
 from megamoe.core.errors import CheckpointError, InvalidScaleError, UnsupportedCheckpointError
-from megamoe.core.formats import WeightFormat
-from megamoe.core.inspection import plan_checkpoint
-from megamoe.core.parallel import ParallelSettings, single_rank_group
+from megamoe.core.modules.parallel import ParallelSettings, single_rank_group
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.core.testing import nvfp4_as_compressed_tensors, write_checkpoint
-from megamoe.core.verify import tolerance_for, verify_layer
 
 W = WeightFormat
 ADAPTERS = installed_adapters()

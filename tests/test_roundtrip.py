@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from bitcheck import assert_bitwise_equal
 
-from megamoe.core.adapters import ModelAdapter, SyntheticSizes, installed_adapters
-from megamoe.core.bitcheck import assert_bitwise_equal
-from megamoe.core.checkpoint import CheckpointReader, open_checkpoint
+from megamoe.core.adapters import ModelAdapter, SyntheticSizes, installed_adapters, open_checkpoint
+from megamoe.core.checkpoint.reader import CheckpointReader
 from megamoe.core.convert import convert_checkpoint
-from megamoe.core.formats import WeightFormat
-from megamoe.core.parallel import ParallelSettings, single_rank_group
+from megamoe.core.modules.parallel import ParallelSettings, single_rank_group
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.core.testing import write_synthetic_checkpoint
 
 ADAPTERS = installed_adapters()

@@ -50,8 +50,8 @@ from transformers.utils.quantization_config import FineGrainedFP8Config
 from transformers_oracle import INDEX_NAME, TinyModel, build_tiny_model, save_checkpoint
 
 import megamoe.transformers
-from megamoe.core.experts import MegaMoEExperts
-from megamoe.core.formats import WeightFormat
+from megamoe.core.modules.experts import MegaMoEExperts
+from megamoe.core.numerics.formats import WeightFormat
 
 FAMILIES = ("qwen4_exp", "glm5_next")
 FORMATS = (WeightFormat.BF16, WeightFormat.FP8_BLOCK)
@@ -332,8 +332,8 @@ def test_prepare_once_before_the_first_forward(tmp_path: Path) -> None:
 
 def test_megamoe_core_does_not_import_transformers() -> None:
     code = (
-        "import sys, megamoe.core, megamoe.core.experts, megamoe.core.checkpoint, "
-        "megamoe.core.backends.reference, megamoe.core.cli; "
+        "import sys, megamoe.core, megamoe.core.modules.experts, megamoe.core.checkpoint.reader, "
+        "megamoe.core.backends.reference, megamoe.core.cli.main; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers' "
         "or m == 'megamoe.transformers'))"
     )

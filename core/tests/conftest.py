@@ -10,14 +10,9 @@ import pytest
 import torch
 
 from megamoe.core import adapters as adapter_registry
-from megamoe.core.adapters import (
-    ModelAdapter,
-    MoEBlock,
-    MoELayer,
-    SharedExpert,
-    SyntheticSizes,
-)
-from megamoe.core.formats import WeightFormat
+from megamoe.core.adapters import ModelAdapter, MoEBlock, SyntheticSizes
+from megamoe.core.checkpoint.layers import MoELayer, SharedExpert
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.core.testing import synthetic_dense, synthetic_expert_tensors
 
 TOY_QUANT = {

@@ -6,8 +6,7 @@ import math
 
 import pytest
 import torch
-
-from megamoe.core.bitcheck import assert_bitwise_equal, relative_error
+from bitcheck import assert_bitwise_equal, relative_error
 
 
 def test_bitwise_equal_passes_on_identical_bits_nan_included() -> None:

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from megamoe.core.adapters import MoEBlock, SyntheticSizes
-from megamoe.core.block_setup import ExpertPlan, check_hidden_states, plan_experts
-from megamoe.core.checkpoint import CheckpointReader
-from megamoe.core.experts import MegaMoEExperts
-from megamoe.core.formats import WeightFormat
-from megamoe.core.parallel import ParallelSettings
+from megamoe.core.checkpoint.reader import CheckpointReader
+from megamoe.core.modules.block_setup import ExpertPlan, check_hidden_states, plan_experts
+from megamoe.core.modules.experts import MegaMoEExperts
+from megamoe.core.modules.parallel import ParallelSettings
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.core.testing import write_synthetic_checkpoint
 
 FP8_QUANT = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}

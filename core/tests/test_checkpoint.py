@@ -10,11 +10,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from megamoe.core import quant
-from megamoe.core.adapters import SyntheticSizes
-from megamoe.core.checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointReader, open_checkpoint
+from megamoe.core.adapters import SyntheticSizes, open_checkpoint
+from megamoe.core.checkpoint.reader import INDEX_FILE, SINGLE_FILE, CheckpointReader
 from megamoe.core.errors import CheckpointError
-from megamoe.core.formats import RUN_FORMATS, WeightFormat
+from megamoe.core.numerics import quant
+from megamoe.core.numerics.formats import RUN_FORMATS, WeightFormat
 from megamoe.core.testing import (
     synthetic_dense,
     synthetic_expert_tensors,

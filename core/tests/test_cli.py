@@ -13,10 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from megamoe.core import bench, block_setup, cli, commands, quant
 from megamoe.core.adapters import SyntheticSizes
-from megamoe.core.formats import ARCHES, WeightFormat
-from megamoe.core.inspection import expert_kernel_bytes, human_bytes
+from megamoe.core.cli import bench, commands
+from megamoe.core.cli import main as cli
+from megamoe.core.cli.inspection import expert_kernel_bytes, human_bytes
+from megamoe.core.modules import block_setup
+from megamoe.core.numerics import quant
+from megamoe.core.numerics.formats import ARCHES, WeightFormat
 from megamoe.core.testing import write_synthetic_checkpoint
 
 SIZES = SyntheticSizes(num_layers=2, hidden_size=256, intermediate_size=128, num_experts=4)
@@ -241,8 +244,8 @@ def test_builtin_requantize_bench_measures_against_a_copy() -> None:
 
 
 def test_module_entry_point_matches_console_script() -> None:
-    assert cli.main.__module__ == "megamoe.core.cli"
-    assert sys.modules["megamoe.core.cli"] is cli
+    assert cli.main.__module__ == "megamoe.core.cli.main"
+    assert sys.modules["megamoe.core.cli.main"] is cli
 
 
 def test_demo_reports_a_failing_adapter_and_exits_1(
@@ -303,7 +306,7 @@ def test_version_names_core_and_the_installed_adapters(
 def test_help_and_version_import_no_torch() -> None:
     code = (
         "import sys\n"
-        "from megamoe.core import cli\n"
+        "from megamoe.core.cli import main as cli\n"
         "for argv in (['--help'], ['--version'], ['verify', '--help']):\n"
         "    try:\n"
         "        cli.main(argv)\n"
@@ -314,7 +317,11 @@ def test_help_and_version_import_no_torch() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded = done.stdout.splitlines()[-1]
-    assert loaded == "LOADED ['megamoe', 'megamoe.core', 'megamoe.core.cli', 'megamoe.core.errors']"
+    assert (
+        loaded
+        == "LOADED ['megamoe', 'megamoe.core', 'megamoe.core.cli', 'megamoe.core.cli.exit_codes', "
+        "'megamoe.core.cli.main', 'megamoe.core.errors']"
+    )
 
 
 def test_the_parser_spells_the_formats_and_targets_of_megamoe_core() -> None:
@@ -471,7 +478,7 @@ def test_sigterm_while_writing_a_sample_leaves_nothing_behind(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from megamoe.core import sample
+    from megamoe.core.cli import sample
 
     def terminated_midway(staging: Path, *args: object) -> None:
         (staging / "model-00001-of-00002.safetensors").write_bytes(b"half written")

@@ -13,17 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from bitcheck import assert_bitwise_equal
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from megamoe.core import convert as convert_module
-from megamoe.core import quant
-from megamoe.core.adapters import SyntheticSizes
-from megamoe.core.bitcheck import assert_bitwise_equal
-from megamoe.core.checkpoint import INDEX_FILE, CheckpointReader, open_checkpoint
+from megamoe.core.adapters import SyntheticSizes, open_checkpoint
+from megamoe.core.checkpoint.reader import INDEX_FILE, CheckpointReader
 from megamoe.core.convert import convert_checkpoint
 from megamoe.core.errors import CheckpointError
-from megamoe.core.formats import RUN_FORMATS, WeightFormat
+from megamoe.core.numerics import quant
+from megamoe.core.numerics.formats import RUN_FORMATS, WeightFormat
 from megamoe.core.testing import (
     synthetic_expert_tensors,
     write_checkpoint,

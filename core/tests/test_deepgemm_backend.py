@@ -14,25 +14,26 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from bitcheck import relative_error
 from fakes import load_fake
+from memory import canonical_bytes, resident_bytes
 
 from megamoe.core.backends import deepgemm as dg_backend
-from megamoe.core.backends import select, symm_buffer
+from megamoe.core.backends import symm_buffer
 from megamoe.core.backends.deepgemm import DeepGemmBackend, missing_api, supported_kinds
 from megamoe.core.backends.deepgemm_layout import L1_ROW_ORDER
-from megamoe.core.bitcheck import relative_error
-from megamoe.core.demo import DEMO_SIZES
+from megamoe.core.cli.demo import DEMO_SIZES
 from megamoe.core.errors import (
     CapabilityError,
     FormatMismatchError,
     KernelSizeError,
     NonFiniteError,
 )
-from megamoe.core.expert_loading import STAGE_WHOLE_RELOAD
-from megamoe.core.experts import MegaMoEExperts
-from megamoe.core.formats import WeightFormat
-from megamoe.core.memory import canonical_bytes, resident_bytes
-from megamoe.core.tagging import KernelTag, tag, tag_of
+from megamoe.core.loading.expert_loading import STAGE_WHOLE_RELOAD
+from megamoe.core.loading.tagging import KernelTag, tag, tag_of
+from megamoe.core.modules import backend_select as select
+from megamoe.core.modules.experts import MegaMoEExperts
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.core.testing import one_rank_experts, synthetic_expert_tensors
 
 fake_dg = load_fake("fake_deep_gemm")

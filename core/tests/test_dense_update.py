@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe.core.dense_update import DenseUpdate, discard_on_error
 from megamoe.core.errors import IncompleteShardsError
+from megamoe.core.loading.dense_update import DenseUpdate, discard_on_error
 
 LABEL = "x"
 

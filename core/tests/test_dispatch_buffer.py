@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe.core.experts import MegaMoEExperts
-from megamoe.core.formats import WeightFormat
+from megamoe.core.modules.experts import MegaMoEExperts
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.core.testing import synthetic_expert_tensors
 
 FMT = WeightFormat.FP8_BLOCK
@@ -67,7 +67,7 @@ def test_no_buffer_before_finalize_or_outside_one_to_max_tokens(
 
 
 def test_a_buffer_fits_only_in_the_documented_dtypes_shapes_and_layout() -> None:
-    from megamoe.core.backends.base import DispatchBuffer
+    from megamoe.core.numerics.dispatch import DispatchBuffer
 
     rows, hidden, top_k = 12, 256, 4
     good = DispatchBuffer(

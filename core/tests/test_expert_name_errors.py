@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from bitcheck import assert_bitwise_equal
 
-from megamoe.core.bitcheck import assert_bitwise_equal
-from megamoe.core.formats import WeightFormat
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.core.testing import one_rank_experts, synthetic_expert_tensors
 
 E, H, INTER = 8, 256, 256

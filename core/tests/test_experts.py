@@ -13,10 +13,10 @@ from collections.abc import Iterable
 
 import pytest
 import torch
+from bitcheck import assert_bitwise_equal
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megamoe.core.bitcheck import assert_bitwise_equal
 from megamoe.core.errors import (
     CapabilityError,
     FormatMismatchError,
@@ -24,11 +24,11 @@ from megamoe.core.errors import (
     MissingExpertsError,
     NonFiniteError,
 )
-from megamoe.core.expert_loading import STAGE_WHOLE_RELOAD
-from megamoe.core.experts import MegaMoEExperts
-from megamoe.core.finiteness import NonFiniteLedger
-from megamoe.core.formats import RUN_FORMATS, WeightFormat
-from megamoe.core.tagging import KernelTag, check_tags, tag
+from megamoe.core.loading.expert_loading import STAGE_WHOLE_RELOAD
+from megamoe.core.loading.finiteness import NonFiniteLedger
+from megamoe.core.loading.tagging import KernelTag, check_tags, tag
+from megamoe.core.modules.experts import MegaMoEExperts
+from megamoe.core.numerics.formats import RUN_FORMATS, WeightFormat
 from megamoe.core.testing import synthetic_expert_tensors
 
 FORMATS = list(RUN_FORMATS)

@@ -16,11 +16,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from bitcheck import assert_bitwise_equal, relative_error
 from fakes import load_fake
 
-from megamoe.core import nvfp4, quant
-from megamoe.core.bitcheck import assert_bitwise_equal, relative_error
-from megamoe.core.formats import WeightFormat
+from megamoe.core.checkpoint import nvfp4
+from megamoe.core.numerics import quant
+from megamoe.core.numerics.formats import WeightFormat
 
 fake_v025 = load_fake("fake_deep_gemm_v025")
 E, TOP_K, H, INTER, T, S = 4, 2, 256, 256, 20, 1

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe.core import finiteness
 from megamoe.core.errors import InvalidScaleError, NonFiniteError
-from megamoe.core.finiteness import NonFiniteLedger, count_nonfinite
+from megamoe.core.loading import finiteness
+from megamoe.core.loading.finiteness import NonFiniteLedger, count_nonfinite
 
 E4M3_NAN_BYTES = (0x7F, 0xFF)
 

@@ -5,8 +5,8 @@ import warnings
 import pytest
 import torch
 
-from megamoe.core import formats
-from megamoe.core.formats import WeightFormat, resolve_formats
+from megamoe.core.numerics import formats
+from megamoe.core.numerics.formats import WeightFormat, resolve_formats
 
 # (format, element dtype, values per byte, scale block, scale dtype, scale name)
 FORMAT_TABLE = [

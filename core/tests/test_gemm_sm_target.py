@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe.core import gemm_sm_target
-from megamoe.core.gemm_sm_target import SMALL_GEMM_ROWS, GemmSmTarget
-from megamoe.core.shared_expert import AuxStream
+from megamoe.core.modules import gemm_sm_target
+from megamoe.core.modules.gemm_sm_target import SMALL_GEMM_ROWS, GemmSmTarget
+from megamoe.core.modules.shared_expert import AuxStream
 
 CARVEOUT = 66
 

@@ -8,12 +8,12 @@ import warnings
 
 import pytest
 import torch
+from bitcheck import assert_bitwise_equal
 
-from megamoe.core.bitcheck import assert_bitwise_equal
 from megamoe.core.errors import NonFiniteError
-from megamoe.core.expert_loading import STAGE_WHOLE_RELOAD
-from megamoe.core.experts import MegaMoEExperts
-from megamoe.core.formats import WeightFormat
+from megamoe.core.loading.expert_loading import STAGE_WHOLE_RELOAD
+from megamoe.core.modules.experts import MegaMoEExperts
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.core.testing import one_rank_experts, synthetic_expert_tensors
 
 pytestmark = [

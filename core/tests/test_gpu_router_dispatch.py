@@ -18,10 +18,10 @@ import importlib.util
 
 import pytest
 import torch
+from bitcheck import assert_bitwise_equal
 from gpu_marks import COMPILED_GPU_MARKS
 
-from megamoe.core.backends.base import DISPATCH_GROUP, DispatchBuffer
-from megamoe.core.bitcheck import assert_bitwise_equal
+from megamoe.core.numerics.dispatch import DISPATCH_GROUP, DispatchBuffer
 
 pytestmark = COMPILED_GPU_MARKS
 
@@ -41,7 +41,7 @@ HAS_DEEP_GEMM = importlib.util.find_spec("deep_gemm") is not None
 
 def _router(name: str):
     from megamoe.core.kernels import one_launch_router
-    from megamoe.core.router_logits import weight_planes
+    from megamoe.core.numerics.router_logits import weight_planes
 
     score, experts, top_k, n_group, dtype, planes = ROUTERS[name]
     extra: dict[str, float] = {}

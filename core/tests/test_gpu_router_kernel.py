@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from bitcheck import assert_bitwise_equal
 from gpu_marks import COMPILED_GPU_MARKS
 from sync_check import assert_no_host_sync
-
-from megamoe.core.bitcheck import assert_bitwise_equal
 
 pytestmark = COMPILED_GPU_MARKS
 
@@ -137,7 +136,7 @@ def test_given_weight_parts_equal_the_registers_split(kernels, tokens: int) -> N
     when given them, instead of splitting each weight tile in registers: the same three
     products in the same order, so the same bits (one block's last tile selecting alone at
     1 and 4 tokens, a block's waiting tiles from 17)."""
-    from megamoe.core.router_logits import weight_planes
+    from megamoe.core.numerics.router_logits import weight_planes
 
     router, tickets, weight, bias = _router(kernels, "glm-sigmoid-E288")
     x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).bfloat16()
@@ -273,7 +272,7 @@ def test_large_calls_with_weight_planes_add_three_bf16_products(kernels, tokens:
     """Given a float32 weight's bf16 parts, the logits are one bf16 GEMM's (T, 3E) products
     added in order (hi, mid, lo) bit for bit, within ``LOGIT_TOL`` of float64, and the
     selection is the kernel's on them."""
-    from megamoe.core.router_logits import weight_planes
+    from megamoe.core.numerics.router_logits import weight_planes
 
     router, tickets, weight, bias = _router(kernels, "glm-sigmoid-E288")
     planes = weight_planes(weight)
@@ -447,7 +446,7 @@ def test_a_cublas_call_writes_into_the_scratch_where_it_fits(kernels, name: str)
     parts: the (T, E) logits, then the (T, 3E) products) and takes fresh tensors past that:
     either way the weights, ids and logits are the fresh call's bits."""
     from megamoe.core.kernels import router_scratch
-    from megamoe.core.router_logits import weight_planes
+    from megamoe.core.numerics.router_logits import weight_planes
 
     router, tickets, weight, bias = _router(kernels, name)
     planes = weight_planes(weight) if weight.dtype == torch.float32 else None

@@ -22,13 +22,13 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
+from bitcheck import assert_bitwise_equal, relative_error
 from graph_check import replayed_output
 from sync_check import assert_no_host_sync
 
-from megamoe.core.bitcheck import assert_bitwise_equal, relative_error
-from megamoe.core.formats import ARCH_SM90, WeightFormat, detect_arch
-from megamoe.core.fp8_gemm import SharedGemm, float_to_fp8_1x128
-from megamoe.core.shared_expert import AuxStream, SwiGLUMLP
+from megamoe.core.modules.shared_expert import AuxStream, SwiGLUMLP
+from megamoe.core.numerics.formats import ARCH_SM90, WeightFormat, detect_arch
+from megamoe.core.numerics.fp8_gemm import SharedGemm, float_to_fp8_1x128
 from megamoe.core.testing import synthetic_expert_tensors
 
 pytestmark = [

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from bitcheck import assert_bitwise_equal
 from gpu_marks import COMPILED_GPU_MARKS
 from graph_check import replayed_output
 from sync_check import assert_no_host_sync
 
-from megamoe.core.bitcheck import assert_bitwise_equal
-from megamoe.core.formats import WeightFormat
-from megamoe.core.shared_expert import SwiGLUMLP
-from megamoe.core.swiglu import gate_up_bounds, swiglu_gate_up
+from megamoe.core.modules.shared_expert import SwiGLUMLP
+from megamoe.core.numerics.formats import WeightFormat
+from megamoe.core.numerics.swiglu import gate_up_bounds, swiglu_gate_up
 
 pytestmark = COMPILED_GPU_MARKS
 

@@ -10,11 +10,12 @@ from typing import Any
 import pytest
 import torch
 
-from megamoe.core.adapters import ModelAdapter, MoELayer, SyntheticSizes
-from megamoe.core.formats import WeightFormat
-from megamoe.core.hf_config import bool_key, int_key, object_key, swiglu_act
-from megamoe.core.parallel import ParallelSettings
-from megamoe.core.quant_config import CONVERTED_KEY
+from megamoe.core.adapters import ModelAdapter, SyntheticSizes
+from megamoe.core.checkpoint.hf_config import bool_key, int_key, object_key, swiglu_act
+from megamoe.core.checkpoint.layers import MoELayer
+from megamoe.core.checkpoint.quant_config import CONVERTED_KEY
+from megamoe.core.modules.parallel import ParallelSettings
+from megamoe.core.numerics.formats import WeightFormat
 
 # -- readers ---------------------------------------------------------------------------------
 

@@ -21,9 +21,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from untouched import nothing_changes_outside
 
-from megamoe.core import checkpoint_files, cli
-from megamoe.core.adapters import SyntheticSizes
-from megamoe.core.checkpoint import INDEX_FILE, open_checkpoint
+from megamoe.core.adapters import SyntheticSizes, open_checkpoint
+from megamoe.core.checkpoint import files as checkpoint_files
+from megamoe.core.checkpoint.reader import INDEX_FILE
+from megamoe.core.cli import main as cli
 from megamoe.core.convert import convert_checkpoint
 from megamoe.core.errors import CheckpointError, NoAdapterError
 from megamoe.core.testing import write_synthetic_checkpoint

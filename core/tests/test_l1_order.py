@@ -6,8 +6,8 @@ import pytest
 import torch
 from fakes import load_fake
 
-from megamoe.core.l1_order import L1RowOrder
-from megamoe.core.pairing import SHARD_DOWN, SHARD_GATE, SHARD_UP
+from megamoe.core.loading.l1_order import L1RowOrder
+from megamoe.core.loading.pairing import SHARD_DOWN, SHARD_GATE, SHARD_UP
 
 
 @pytest.mark.parametrize("group", [0, 8])

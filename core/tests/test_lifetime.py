@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lifetime import assert_freed_without_gc
 
 from megamoe.core.errors import NonFiniteError
-from megamoe.core.expert_loading import STAGE_WHOLE_RELOAD
-from megamoe.core.experts import MegaMoEExperts
-from megamoe.core.formats import RUN_FORMATS, WeightFormat
-from megamoe.core.lifetime import assert_freed_without_gc
+from megamoe.core.loading.expert_loading import STAGE_WHOLE_RELOAD
+from megamoe.core.modules.experts import MegaMoEExperts
+from megamoe.core.numerics.formats import RUN_FORMATS, WeightFormat
 from megamoe.core.testing import one_rank_experts, synthetic_expert_tensors
 
 H, INTER, E = 128, 128, 4

@@ -13,12 +13,12 @@ from collections.abc import Iterable, Iterator
 
 import pytest
 import torch
+from bitcheck import assert_bitwise_equal
 
-from megamoe.core import quant
-from megamoe.core.bitcheck import assert_bitwise_equal
-from megamoe.core.experts import MegaMoEExperts
-from megamoe.core.formats import WeightFormat
-from megamoe.core.shared_expert import SwiGLUMLP
+from megamoe.core.modules.experts import MegaMoEExperts
+from megamoe.core.modules.shared_expert import SwiGLUMLP
+from megamoe.core.numerics import quant
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.core.testing import one_rank_experts, synthetic_expert_tensors
 
 E, H, INTER = 4, 256, 256

@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from bitcheck import assert_bitwise_equal
 
-from megamoe.core.bitcheck import assert_bitwise_equal
-from megamoe.core.experts import MegaMoEExperts
-from megamoe.core.formats import WeightFormat
+from megamoe.core.modules.experts import MegaMoEExperts
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.core.testing import synthetic_expert_tensors
 
 WORLD = 2

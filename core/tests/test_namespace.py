@@ -21,4 +21,4 @@ def test_core_imports_and_exports() -> None:
 
 def test_console_script_declared() -> None:
     scripts = {ep.name: ep.value for ep in md.entry_points(group="console_scripts")}
-    assert scripts.get("megamoe") == "megamoe.core.cli:main"
+    assert scripts.get("megamoe") == "megamoe.core.cli.main:main"

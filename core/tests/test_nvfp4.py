@@ -21,11 +21,12 @@ from typing import Any
 
 import pytest
 import torch
+from bitcheck import assert_bitwise_equal
 
-from megamoe.core import nvfp4, quant
-from megamoe.core.bitcheck import assert_bitwise_equal
+from megamoe.core.checkpoint import nvfp4
 from megamoe.core.errors import InvalidScaleError, NonFiniteError
-from megamoe.core.formats import WeightFormat
+from megamoe.core.numerics import quant
+from megamoe.core.numerics.formats import WeightFormat
 
 W = WeightFormat
 TARGETS = (W.MXFP8, W.MXFP4, W.FP8_BLOCK)

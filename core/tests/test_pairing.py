@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megamoe.core.errors import IncompleteShardsError
-from megamoe.core.pairing import SHARD_IDS, ShardPairing
+from megamoe.core.loading.pairing import SHARD_IDS, ShardPairing
 
 HALVES = ("weight", "weight_scale_inv")
 

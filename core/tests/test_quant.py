@@ -1,4 +1,4 @@
-"""Bit-exactness of the casts in megamoe.core.quant (SPEC §3.2, §6).
+"""Bit-exactness of the casts in megamoe.core.numerics.quant (SPEC §3.2, §6).
 
 The oracles below are written from the format definitions in pure Python (struct, math,
 float64), independent of quant's torch code: E4M3 by enumerating all codes and picking
@@ -23,13 +23,13 @@ from typing import Any
 
 import pytest
 import torch
+from bitcheck import assert_bitwise_equal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megamoe.core import quant
-from megamoe.core.bitcheck import assert_bitwise_equal
 from megamoe.core.errors import NonFiniteError
-from megamoe.core.formats import WeightFormat
+from megamoe.core.numerics import quant
+from megamoe.core.numerics.formats import WeightFormat
 
 W = WeightFormat
 SOURCES = (W.BF16, W.FP8_BLOCK, W.MXFP8, W.MXFP4)

@@ -6,14 +6,14 @@ from typing import Any
 
 import pytest
 
-from megamoe.core import quant_config
-from megamoe.core.formats import WeightFormat
-from megamoe.core.quant_config import (
+from megamoe.core.checkpoint import quant_config
+from megamoe.core.checkpoint.quant_config import (
     CONVERTED_KEY,
     detect_expert_format,
     detect_mlp_format,
     mark_converted,
 )
+from megamoe.core.numerics.formats import WeightFormat
 
 PREFIX = "model.layers.3.mlp.experts"
 FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}

@@ -24,14 +24,14 @@ from functools import partial
 
 import pytest
 import torch
+from bitcheck import relative_error
 
-from megamoe.core.backends import select
-from megamoe.core.backends.base import ExpertsBackend
 from megamoe.core.backends.reference import ReferenceBackend
-from megamoe.core.bitcheck import relative_error
 from megamoe.core.errors import CapabilityError, FormatMismatchError
-from megamoe.core.experts import MegaMoEExperts
-from megamoe.core.formats import RUN_FORMATS, WeightFormat
+from megamoe.core.modules import backend_select as select
+from megamoe.core.modules.experts import MegaMoEExperts
+from megamoe.core.modules.experts_backend import ExpertsBackend
+from megamoe.core.numerics.formats import RUN_FORMATS, WeightFormat
 from megamoe.core.testing import one_rank_experts, synthetic_expert_tensors
 
 FORMATS = list(RUN_FORMATS)

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from bitcheck import assert_bitwise_equal
 
-from megamoe.core.bitcheck import assert_bitwise_equal
 from megamoe.core.errors import MissingExpertsError, NonFiniteError
-from megamoe.core.expert_loading import RELOAD_STAGING_SHARE
-from megamoe.core.experts import MegaMoEExperts
-from megamoe.core.finiteness import NonFiniteLedger
-from megamoe.core.formats import WeightFormat
+from megamoe.core.loading.expert_loading import RELOAD_STAGING_SHARE
+from megamoe.core.loading.finiteness import NonFiniteLedger
+from megamoe.core.modules.experts import MegaMoEExperts
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.core.testing import one_rank_experts, synthetic_expert_tensors
 
 E, H, INTER = 8, 256, 256

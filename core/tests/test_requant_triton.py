@@ -20,11 +20,11 @@ from typing import Any
 
 import pytest
 import torch
+from bitcheck import assert_bitwise_equal
 
-from megamoe.core import quant
-from megamoe.core.bitcheck import assert_bitwise_equal
 from megamoe.core.errors import NonFiniteError
-from megamoe.core.formats import WeightFormat
+from megamoe.core.numerics import quant
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.core.testing import synthetic_dense
 
 pytestmark = [

@@ -21,20 +21,20 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from bitcheck import assert_bitwise_equal, relative_error
 from fakes import load_fake
+from memory import distinct_storage_bytes
 
-from megamoe.core import fp8_gemm, quant
-from megamoe.core.bitcheck import assert_bitwise_equal, relative_error
 from megamoe.core.errors import (
     CapabilityError,
     IncompleteShardsError,
     InvalidScaleError,
     NonFiniteError,
 )
-from megamoe.core.formats import ARCH_SM90, WeightFormat
-from megamoe.core.fp8_gemm import SharedGemm, float_to_fp8_1x128, resolve_shared_gemm
-from megamoe.core.memory import distinct_storage_bytes
-from megamoe.core.shared_expert import SwiGLUMLP
+from megamoe.core.modules.shared_expert import SwiGLUMLP
+from megamoe.core.numerics import fp8_gemm, quant
+from megamoe.core.numerics.formats import ARCH_SM90, WeightFormat
+from megamoe.core.numerics.fp8_gemm import SharedGemm, float_to_fp8_1x128, resolve_shared_gemm
 from megamoe.core.testing import synthetic_expert_tensors
 
 fake_dg = load_fake("fake_deep_gemm")

@@ -14,11 +14,11 @@ import sys
 
 import pytest
 import torch
+from bitcheck import assert_bitwise_equal
 
-from megamoe.core.bitcheck import assert_bitwise_equal
-from megamoe.core.gemm_sm_target import SMALL_GEMM_ROWS
-from megamoe.core.shared_expert import AUX_IN_GRAPHS, AuxStream
-from megamoe.core.swiglu import gate_up_bounds, swiglu, swiglu_gate_up
+from megamoe.core.modules.gemm_sm_target import SMALL_GEMM_ROWS
+from megamoe.core.modules.shared_expert import AUX_IN_GRAPHS, AuxStream
+from megamoe.core.numerics.swiglu import gate_up_bounds, swiglu, swiglu_gate_up
 
 
 def recorded_schedule(
@@ -102,7 +102,7 @@ def test_the_sm_target_prints_none_of_torchs_notices() -> None:
     assert NOTICE in stderr_of(plain)  # what the target keeps out of the process's log
     targeted = (
         "import torch\n"
-        "from megamoe.core.shared_expert import AuxStream\n"
+        "from megamoe.core.modules.shared_expert import AuxStream\n"
         "aux = AuxStream('cuda', enabled=True)\n"
         "ones = torch.ones(8, 8, device='cuda')\n"
         "aux.sm_target.run(1, lambda: torch.mm(ones, ones))\n"

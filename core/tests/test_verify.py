@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megamoe.core.formats import WeightFormat
-from megamoe.core.verify import (
+from megamoe.core.cli.verify import (
     KERNEL_LOSSY_FP8_TOLERANCE,
     KERNEL_TOLERANCE,
     LOSSY_FP8_TOLERANCE,
@@ -13,6 +12,7 @@ from megamoe.core.verify import (
     TOLERANCE,
     tolerance_for,
 )
+from megamoe.core.numerics.formats import WeightFormat
 
 W = WeightFormat
 CASES = [

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megamoe.core import quant
 from megamoe.core.adapters import SyntheticSizes
-from megamoe.core.formats import WeightFormat
-from megamoe.core.parallel import ParallelSettings, single_rank_group
+from megamoe.core.modules.parallel import ParallelSettings, single_rank_group
+from megamoe.core.numerics import quant
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.core.testing import write_checkpoint
 from megamoe.glm5next import ADAPTER
 

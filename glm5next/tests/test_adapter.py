@@ -14,14 +14,14 @@ from typing import Any
 
 import pytest
 import torch
+from bitcheck import assert_bitwise_equal
 
 from megamoe.core.adapters import SyntheticSizes, adapter_for
-from megamoe.core.bitcheck import assert_bitwise_equal
-from megamoe.core.checkpoint import CheckpointReader
+from megamoe.core.checkpoint.quant_config import detect_mlp_format
+from megamoe.core.checkpoint.reader import CheckpointReader
 from megamoe.core.convert import convert_checkpoint
-from megamoe.core.formats import WeightFormat
-from megamoe.core.parallel import ParallelSettings
-from megamoe.core.quant_config import detect_mlp_format
+from megamoe.core.modules.parallel import ParallelSettings
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.glm5next import ADAPTER, Glm5NextAdapter
 from megamoe.glm5next.config import Glm5NextConfig
 
@@ -190,8 +190,8 @@ def test_loads_and_runs_with_qwen4exp_unimportable(glm_checkpoint: Checkpoint) -
 
         sys.meta_path.insert(0, NoQwen())
         import torch
-        from megamoe.core.checkpoint import CheckpointReader
-        from megamoe.core.parallel import ParallelSettings, single_rank_group
+        from megamoe.core.checkpoint.reader import CheckpointReader
+        from megamoe.core.modules.parallel import ParallelSettings, single_rank_group
         from megamoe.glm5next import ADAPTER
 
         reader = CheckpointReader(sys.argv[1], ADAPTER)

@@ -20,13 +20,13 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from bitcheck import assert_bitwise_equal
 from safetensors import safe_open
 
-from megamoe.core import quant
-from megamoe.core.bitcheck import assert_bitwise_equal
-from megamoe.core.checkpoint import CheckpointReader
-from megamoe.core.formats import WeightFormat
-from megamoe.core.parallel import ParallelSettings
+from megamoe.core.checkpoint.reader import CheckpointReader
+from megamoe.core.modules.parallel import ParallelSettings
+from megamoe.core.numerics import quant
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.core.testing import synthetic_dense, synthetic_expert_tensors
 from megamoe.glm5next import ADAPTER, Glm5NextMegaMoeBlock
 

@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 import torch
+from bitcheck import assert_bitwise_equal
 
 from megamoe.core.adapters import SyntheticSizes
-from megamoe.core.bitcheck import assert_bitwise_equal
 from megamoe.core.errors import MissingExpertsError, NonFiniteError
-from megamoe.core.expert_loading import STAGE_WHOLE_RELOAD
-from megamoe.core.formats import WeightFormat
-from megamoe.core.parallel import ParallelSettings
+from megamoe.core.loading.expert_loading import STAGE_WHOLE_RELOAD
+from megamoe.core.modules.parallel import ParallelSettings
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.core.testing import synthetic_layer_tensors
 from megamoe.glm5next import ADAPTER, Glm5NextMegaMoeBlock
 

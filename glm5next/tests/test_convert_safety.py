@@ -22,10 +22,10 @@ from untouched import deadline, nothing_changes_outside
 
 from megamoe.core import convert as convert_module
 from megamoe.core.adapters import SyntheticSizes
-from megamoe.core.checkpoint import CONFIG_FILE, INDEX_FILE, CheckpointReader
-from megamoe.core.cli import main
+from megamoe.core.checkpoint.convert_output import PARTIAL_MARK
+from megamoe.core.checkpoint.reader import CONFIG_FILE, INDEX_FILE, CheckpointReader
+from megamoe.core.cli.main import main
 from megamoe.core.convert import convert_checkpoint
-from megamoe.core.convert_output import PARTIAL_MARK
 from megamoe.core.testing import write_synthetic_checkpoint
 from megamoe.glm5next import ADAPTER
 
@@ -253,7 +253,6 @@ SLOW_CONVERT = textwrap.dedent(
     """
     import sys, time
     from megamoe.core import convert
-
     real = convert._convert_one
 
     def slow(*args, **kwargs):

@@ -9,15 +9,15 @@ from typing import Any
 
 import pytest
 import torch
+from bitcheck import assert_bitwise_equal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megamoe.core import quant
-from megamoe.core.bitcheck import assert_bitwise_equal
 from megamoe.core.errors import IncompleteShardsError, MissingExpertsError, NonFiniteError
-from megamoe.core.expert_loading import STAGE_WHOLE_RELOAD
-from megamoe.core.formats import WeightFormat
-from megamoe.core.l1_order import L1RowOrder
+from megamoe.core.loading.expert_loading import STAGE_WHOLE_RELOAD
+from megamoe.core.loading.l1_order import L1RowOrder
+from megamoe.core.numerics import quant
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.core.testing import synthetic_expert_tensors
 from megamoe.glm5next import Glm5NextMegaMoEExperts
 

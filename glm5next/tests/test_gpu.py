@@ -19,15 +19,15 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from bitcheck import assert_bitwise_equal
 
-from megamoe.core import quant
 from megamoe.core.adapters import SyntheticSizes
 from megamoe.core.backends.deepgemm import DeepGemmBackend
 from megamoe.core.backends.symm_buffer import resolve_group
-from megamoe.core.bitcheck import assert_bitwise_equal
-from megamoe.core.checkpoint import CheckpointReader
-from megamoe.core.formats import WeightFormat, detect_arch, resolve_formats
-from megamoe.core.parallel import ParallelSettings
+from megamoe.core.checkpoint.reader import CheckpointReader
+from megamoe.core.modules.parallel import ParallelSettings
+from megamoe.core.numerics import quant
+from megamoe.core.numerics.formats import WeightFormat, detect_arch, resolve_formats
 from megamoe.core.testing import write_checkpoint
 from megamoe.glm5next import ADAPTER, Glm5NextMegaMoeBlock
 

@@ -21,12 +21,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from untouched import deadline, nothing_changes_outside
 
-from megamoe.core import cli
 from megamoe.core.adapters import SyntheticSizes
-from megamoe.core.checkpoint import INDEX_FILE, CheckpointReader
+from megamoe.core.checkpoint.reader import INDEX_FILE, CheckpointReader
+from megamoe.core.cli import main as cli
 from megamoe.core.convert import convert_checkpoint
 from megamoe.core.errors import CheckpointError, InvalidScaleError
-from megamoe.core.parallel import ParallelSettings
+from megamoe.core.modules.parallel import ParallelSettings
 from megamoe.core.testing import write_synthetic_checkpoint
 from megamoe.glm5next import ADAPTER
 
@@ -248,7 +248,7 @@ def test_a_huge_config_size_is_refused_before_any_loop_or_allocation(
     for args in (["inspect"], ["verify"], ["convert", "--to", "mxfp8"]):
         argv = [args[0], str(ckpt), *([str(tmp_path / "out")] if args[0] == "convert" else [])]
         done = subprocess.run(
-            [sys.executable, "-m", "megamoe.core.cli", *argv, *args[1:]],
+            [sys.executable, "-m", "megamoe.core.cli.main", *argv, *args[1:]],
             capture_output=True, text=True, timeout=TIMEOUT_S, env=env, check=False,
         )  # fmt: skip
         assert done.returncode == 1, done.stderr

@@ -20,7 +20,7 @@ from router_cases import (
     transformers_router,
 )
 
-from megamoe.core.router_logits import PLANES, router_logits, weight_planes
+from megamoe.core.numerics.router_logits import PLANES, router_logits, weight_planes
 from megamoe.glm5next.config import Glm5NextConfig
 from megamoe.glm5next.router import Glm5NextRouter, grouped_topk, route_logits
 
@@ -343,8 +343,8 @@ def test_router_compiles_as_one_graph_like_eager() -> None:
 
 def test_a_router_given_a_buffer_where_its_kernel_cannot_run_raises() -> None:
     from megamoe.core.adapters import SyntheticSizes
-    from megamoe.core.backends.base import DispatchBuffer
-    from megamoe.core.formats import WeightFormat
+    from megamoe.core.numerics.dispatch import DispatchBuffer
+    from megamoe.core.numerics.formats import WeightFormat
     from megamoe.glm5next.config import Glm5NextConfig
     from megamoe.glm5next.router import Glm5NextRouter
     from megamoe.glm5next.synthetic import synthetic_config as glm_config

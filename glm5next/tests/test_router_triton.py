@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from bitcheck import assert_bitwise_equal
 from gpu_marks import COMPILED_GPU_MARKS
 from router_cases import (
     ROUTER_SHAPES,
@@ -21,7 +22,6 @@ from router_cases import (
 )
 from sync_check import assert_no_host_sync
 
-from megamoe.core.bitcheck import assert_bitwise_equal
 from megamoe.glm5next.config import Glm5NextConfig
 from megamoe.glm5next.router import Glm5NextRouter, grouped_topk, route_logits
 
@@ -152,7 +152,7 @@ def test_calls_take_the_weight_planes_which_follow_the_weight(tokens: int) -> No
     """The router's kernel takes its weight's bf16 parts (its own tiles under 64 tokens,
     cuBLAS's GEMM from 64); they follow a ``weight.copy_()`` on the next call and a
     ``.data`` write after ``refresh_planes()``."""
-    from megamoe.core.router_logits import weight_planes
+    from megamoe.core.numerics.router_logits import weight_planes
 
     router, _ = _cuda_router(ROUTER_SHAPES["glm5.3-flash"])
     assert router.weight_planes is not None

@@ -25,7 +25,7 @@ from oracle_check import (
 )
 from transformers_oracle import build_tiny_model, clamped_fraction, save_checkpoint
 
-from megamoe.core.checkpoint import open_checkpoint
+from megamoe.core.adapters import open_checkpoint
 
 TOLERANCE = 1e-2
 CLAMP = 1.5  # small enough that the clamp acts on a good share of gate and up values
@@ -99,7 +99,7 @@ def test_declared_mtp_without_tensors_loads_the_main_layers(tmp_path: Path) -> N
 def test_inspect_verify_and_convert_work_on_the_release_layout(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from megamoe.core import cli
+    from megamoe.core.cli import main as cli
 
     tiny = build_tiny_model("glm5_next", seed=5, swiglu_limit=CLAMP)
     path = save_checkpoint(tiny, tmp_path / "ckpt", fp8_block=True, mtp_layers=1)

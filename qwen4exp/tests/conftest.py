@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from megamoe.core.adapters import SyntheticSizes
-from megamoe.core.formats import WeightFormat
-from megamoe.core.parallel import ParallelSettings, single_rank_group
+from megamoe.core.modules.parallel import ParallelSettings, single_rank_group
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.core.testing import write_checkpoint
 from megamoe.qwen4exp import ADAPTER
 

@@ -14,10 +14,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megamoe.core.adapters import SyntheticSizes
-from megamoe.core.checkpoint import CheckpointReader
+from megamoe.core.checkpoint.reader import CheckpointReader
 from megamoe.core.errors import CheckpointError, IncompleteShardsError
-from megamoe.core.formats import WeightFormat
-from megamoe.core.parallel import ParallelSettings
+from megamoe.core.modules.parallel import ParallelSettings
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.core.testing import write_checkpoint
 from megamoe.qwen4exp import ADAPTER, Qwen4ExpAdapter, Qwen4ExpMegaMoeBlock
 

@@ -24,13 +24,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from bitcheck import assert_bitwise_equal
 
-from megamoe.core import formats, quant
 from megamoe.core.adapters import SyntheticSizes
-from megamoe.core.bitcheck import assert_bitwise_equal
-from megamoe.core.checkpoint import CheckpointReader
-from megamoe.core.formats import RUN_FORMATS, WeightFormat
-from megamoe.core.parallel import ParallelSettings
+from megamoe.core.checkpoint.reader import CheckpointReader
+from megamoe.core.modules.parallel import ParallelSettings
+from megamoe.core.numerics import formats, quant
+from megamoe.core.numerics.formats import RUN_FORMATS, WeightFormat
 from megamoe.qwen4exp import ADAPTER, Qwen4ExpMegaMoeBlock
 
 # Small, but each projection spans several 128x128 blocks (gate/up 128x256, down 256x128,

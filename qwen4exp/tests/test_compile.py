@@ -13,8 +13,8 @@ from compile_check import (
 )
 
 from megamoe.core.adapters import SyntheticSizes
-from megamoe.core.formats import WeightFormat
-from megamoe.core.parallel import ParallelSettings
+from megamoe.core.modules.parallel import ParallelSettings
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.core.testing import synthetic_layer_tensors
 from megamoe.qwen4exp import ADAPTER, Qwen4ExpMegaMoeBlock
 

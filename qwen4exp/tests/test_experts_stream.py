@@ -7,13 +7,13 @@ import random
 
 import pytest
 import torch
+from bitcheck import assert_bitwise_equal
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megamoe.core.bitcheck import assert_bitwise_equal
 from megamoe.core.errors import IncompleteShardsError, MissingExpertsError
-from megamoe.core.expert_loading import STAGE_WHOLE_RELOAD
-from megamoe.core.formats import WeightFormat
+from megamoe.core.loading.expert_loading import STAGE_WHOLE_RELOAD
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.core.testing import synthetic_expert_tensors
 from megamoe.qwen4exp import Qwen4ExpMegaMoEExperts
 

@@ -21,14 +21,14 @@ from typing import Any
 
 import pytest
 import torch
+from bitcheck import assert_bitwise_equal
 
 from megamoe.core.adapters import SyntheticSizes
 from megamoe.core.backends.symm_buffer import resolve_group
-from megamoe.core.bitcheck import assert_bitwise_equal
-from megamoe.core.checkpoint import CheckpointReader
-from megamoe.core.formats import ARCH_SM90, WeightFormat, detect_arch
-from megamoe.core.parallel import ParallelSettings
-from megamoe.core.shared_expert import AuxStream
+from megamoe.core.checkpoint.reader import CheckpointReader
+from megamoe.core.modules.parallel import ParallelSettings
+from megamoe.core.modules.shared_expert import AuxStream
+from megamoe.core.numerics.formats import ARCH_SM90, WeightFormat, detect_arch
 from megamoe.qwen4exp import ADAPTER, Qwen4ExpMegaMoeBlock
 
 # The Hopper kernel vs the reference emulating its rounding: 0.013-0.019 measured at 256
@@ -170,7 +170,7 @@ def test_router_is_one_launch_with_the_torch_paths_choice(
     the torch path's selection gives the same ids and weights within 2e-6, and the
     logits are within float32 summation (2e-5 of the sum of |products|) of the cuBLAS
     ones the torch path starts from."""
-    from megamoe.core.router_logits import router_logits
+    from megamoe.core.numerics.router_logits import router_logits
     from megamoe.qwen4exp.block import softmax_topk
 
     assert hopper_block.router_kernel is not None
@@ -199,7 +199,7 @@ def test_combine_is_one_launch_with_the_torch_rule(
     ``routed + sigmoid(x . g) * shared``, plus what a float32 sum of the gate's H products
     may be off in any order: 1e-5 of the sum of |products| (the router tests' bound), times
     sigmoid's slope (at most 1/4) and |shared|."""
-    from megamoe.core.router_logits import router_logits
+    from megamoe.core.numerics.router_logits import router_logits
     from megamoe.qwen4exp.combine_triton import gated_add
 
     assert hopper_block._gated_add is gated_add

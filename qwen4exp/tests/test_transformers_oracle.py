@@ -62,7 +62,7 @@ def test_declared_mtp_without_tensors_loads_the_main_layers(tmp_path: Path) -> N
 def test_inspect_verify_and_convert_work_on_the_release_layout(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from megamoe.core import cli
+    from megamoe.core.cli import main as cli
 
     tiny = build_tiny_model("qwen4_exp", seed=5)
     path = save_checkpoint(tiny, tmp_path / "ckpt", fused=True, mtp_layers=1)

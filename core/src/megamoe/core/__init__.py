@@ -11,10 +11,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from megamoe.core.adapters import ModelAdapter, MoEBlock, MoELayer, SyntheticSizes
+    from megamoe.core.adapters import ModelAdapter, MoEBlock, SyntheticSizes, open_checkpoint
     from megamoe.core.backends.reference import ReferenceBackend
-    from megamoe.core.backends.select import resolve_backend
-    from megamoe.core.checkpoint import CheckpointReader, open_checkpoint
+    from megamoe.core.checkpoint.layers import MoELayer
+    from megamoe.core.checkpoint.reader import CheckpointReader
     from megamoe.core.convert import convert_checkpoint
     from megamoe.core.errors import (
         CapabilityError,
@@ -24,36 +24,37 @@ if TYPE_CHECKING:
         MissingExpertsError,
         NonFiniteError,
     )
-    from megamoe.core.experts import MegaMoEExperts
-    from megamoe.core.formats import WeightFormat, resolve_formats
-    from megamoe.core.pairing import ShardPairing
-    from megamoe.core.parallel import ParallelSettings
-    from megamoe.core.tagging import KernelTag
+    from megamoe.core.loading.pairing import ShardPairing
+    from megamoe.core.loading.tagging import KernelTag
+    from megamoe.core.modules.backend_select import resolve_backend
+    from megamoe.core.modules.experts import MegaMoEExperts
+    from megamoe.core.modules.parallel import ParallelSettings
+    from megamoe.core.numerics.formats import WeightFormat, resolve_formats
     from megamoe.core.testing import write_synthetic_checkpoint
 
 # Public name -> the module that defines it.
 _EXPORTS = {
     "CapabilityError": "megamoe.core.errors",
     "CheckpointError": "megamoe.core.errors",
-    "CheckpointReader": "megamoe.core.checkpoint",
+    "CheckpointReader": "megamoe.core.checkpoint.reader",
     "FormatMismatchError": "megamoe.core.errors",
     "IncompleteShardsError": "megamoe.core.errors",
-    "KernelTag": "megamoe.core.tagging",
-    "MegaMoEExperts": "megamoe.core.experts",
+    "KernelTag": "megamoe.core.loading.tagging",
+    "MegaMoEExperts": "megamoe.core.modules.experts",
     "MissingExpertsError": "megamoe.core.errors",
     "MoEBlock": "megamoe.core.adapters",
-    "MoELayer": "megamoe.core.adapters",
+    "MoELayer": "megamoe.core.checkpoint.layers",
     "ModelAdapter": "megamoe.core.adapters",
     "NonFiniteError": "megamoe.core.errors",
-    "ParallelSettings": "megamoe.core.parallel",
+    "ParallelSettings": "megamoe.core.modules.parallel",
     "ReferenceBackend": "megamoe.core.backends.reference",
-    "ShardPairing": "megamoe.core.pairing",
+    "ShardPairing": "megamoe.core.loading.pairing",
     "SyntheticSizes": "megamoe.core.adapters",
-    "WeightFormat": "megamoe.core.formats",
+    "WeightFormat": "megamoe.core.numerics.formats",
     "convert_checkpoint": "megamoe.core.convert",
-    "open_checkpoint": "megamoe.core.checkpoint",
-    "resolve_backend": "megamoe.core.backends.select",
-    "resolve_formats": "megamoe.core.formats",
+    "open_checkpoint": "megamoe.core.adapters",
+    "resolve_backend": "megamoe.core.modules.backend_select",
+    "resolve_formats": "megamoe.core.numerics.formats",
     "write_synthetic_checkpoint": "megamoe.core.testing",
 }
 

@@ -12,22 +12,25 @@ import logging
 from collections.abc import Collection, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from megamoe.core.block_setup import EXPERTS
+from megamoe.core.checkpoint.expert_names import TensorSpec, expert_tensor_spec, parse_expert_name
+from megamoe.core.checkpoint.files import CONFIG_FILE
+from megamoe.core.checkpoint.hf_config import MoEConfig, is_composite, quantization_config
+from megamoe.core.checkpoint.layers import MoELayer, SharedExpert
+from megamoe.core.checkpoint.quant_config import detect_expert_format, mark_converted
+from megamoe.core.checkpoint.reader import CheckpointReader, read_config
 from megamoe.core.errors import CheckpointError, NoAdapterError, note_source
-from megamoe.core.expert_names import TensorSpec, expert_tensor_spec, parse_expert_name
-from megamoe.core.fixed_module import FixedModule
-from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
-from megamoe.core.hf_config import MoEConfig, is_composite, quantization_config
-from megamoe.core.parallel import ParallelSettings
-from megamoe.core.quant_config import detect_expert_format, mark_converted
+from megamoe.core.modules.block_setup import EXPERTS
+from megamoe.core.modules.fixed_module import FixedModule
+from megamoe.core.modules.parallel import ParallelSettings
+from megamoe.core.numerics.formats import BLOCK_FP8_DEFAULT, WeightFormat
 
 if TYPE_CHECKING:
-    from megamoe.core.checkpoint import CheckpointReader
-    from megamoe.core.experts import MegaMoEExperts
+    from megamoe.core.modules.experts import MegaMoEExperts
 
 logger = logging.getLogger("megamoe")
 
@@ -54,39 +57,6 @@ def decoder_prefix(config: Mapping[str, Any], tensor_names: Collection[str] | No
 
 
 @dataclass(frozen=True)
-class MoELayer:
-    """One MoE layer of a checkpoint.
-
-    Attributes:
-        index: layer number (within the main model or the MTP drafter).
-        prefix: tensor-name prefix of the MoE block, e.g. ``model.layers.3.mlp``.
-        checkpoint_format: how its routed experts are stored.
-        is_mtp: the layer belongs to the MTP drafter (it takes the default run format,
-            never a forced one).
-    """
-
-    index: int
-    prefix: str
-    checkpoint_format: WeightFormat
-    is_mtp: bool = False
-
-
-@dataclass(frozen=True)
-class SharedExpert:
-    """A layer's shared expert as the checkpoint stores it: one SwiGLU MLP without an index.
-
-    Attributes:
-        prefix: the prefix of its tensors, ``{prefix}.{gate,up,down}_proj.{weight,<scale>}``.
-        checkpoint_format: how they are stored.
-        intermediate_size: the width of the whole shared MLP (all shared experts together).
-    """
-
-    prefix: str
-    checkpoint_format: WeightFormat
-    intermediate_size: int
-
-
-@dataclass(frozen=True)
 class SyntheticSizes:
     """Sizes of a synthetic checkpoint (small, but every dimension a multiple of 128)."""
 
@@ -102,11 +72,11 @@ class MoEBlock(FixedModule):
     """What ``ModelAdapter.build_block`` returns: one MoE layer on megamoe.
 
     Its constructor takes ``(config, *, prefix, parallel, **options)`` with the options of
-    ``megamoe.core.block_setup.BlockOptions``. Subclasses load their tensors in
+    ``megamoe.core.modules.block_setup.BlockOptions``. Subclasses load their tensors in
     ``load_weights`` and commit them in ``finalize``; ``load_from_checkpoint`` drives both.
 
     Its tensors keep their dtypes and device through ``.to()`` and the like, and it refuses
-    ``load_state_dict()``, copies and pickling (``megamoe.core.fixed_module``).
+    ``load_state_dict()``, copies and pickling (``megamoe.core.modules.fixed_module``).
 
     Attributes:
         experts: the routed experts module.
@@ -376,7 +346,8 @@ class ModelAdapter(abc.ABC):
 
         The default lists every one of ``expert_prefixes`` of every converted MoE layer in
         the top-level ``quantization_config`` (see
-        ``megamoe.core.quant_config.mark_converted``); every other module keeps its format.
+        ``megamoe.core.checkpoint.quant_config.mark_converted``); every other module keeps its
+        format.
 
         Args:
             config: the source ``config.json``.
@@ -442,7 +413,7 @@ class ModelAdapter(abc.ABC):
         """The dtype and shape routed-expert tensor ``name`` must have in the checkpoint.
 
         Checked from the safetensors headers before any tensor of the layer is read. The
-        default covers the names ``megamoe.core.expert_names`` describes, stored in
+        default covers the names ``megamoe.core.checkpoint.expert_names`` describes, stored in
         ``layer.checkpoint_format`` with ``expert_dims(config)``; block-FP8 is 128x128 (the
         only block ``quant_config`` detects as FP8_BLOCK, whatever the config's
         ``weight_block_size`` says for other methods).
@@ -505,3 +476,31 @@ def adapter_for(config: Mapping[str, Any], source: str = "config.json") -> Model
         f"(architectures={config.get('architectures')!r}); installed: "
         f"{installed or 'none'}{hint}"
     )
+
+
+def open_checkpoint(path: str | Path) -> tuple[CheckpointReader, ModelAdapter]:
+    """Open a checkpoint with the installed adapter that claims its ``config.json``.
+
+    Args:
+        path: the checkpoint directory.
+
+    Returns:
+        ``(reader, adapter)``; the reader has validated the whole checkpoint.
+
+    Raises:
+        CheckpointError: see ``CheckpointReader``.
+        NoAdapterError: no installed adapter claims the model (a ``CheckpointError`` and a
+            ``LookupError``); the message lists the installed adapters and the pip command
+            for the others.
+        UnsupportedCheckpointError: a setting megamoe cannot run (also a
+            ``NotImplementedError``).
+    """
+    where = Path(path) / CONFIG_FILE
+    try:
+        adapter = adapter_for(read_config(path), str(where))
+    except (TypeError, AttributeError) as err:  # e.g. a list where model_type is a string
+        raise CheckpointError(
+            f"{where}: model_type or architectures of the wrong type ({err}); expected a "
+            "string and a list of strings"
+        ) from None
+    return CheckpointReader(path, adapter), adapter

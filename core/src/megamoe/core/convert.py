@@ -10,7 +10,7 @@ reads and positioned writes, so memory stays near one projection whatever the ch
 size. The source is validated as every command validates it (``open_checkpoint``) before
 anything is written, and tensors are copied from its validated headers. Output goes to
 ``OUT.partial-<pid>`` and is renamed to ``OUT`` only once complete; how that directory is
-written, and which other files are copied, is ``megamoe.core.convert_output``.
+written, and which other files are copied, is ``megamoe.core.checkpoint.convert_output``.
 """
 
 from __future__ import annotations
@@ -27,15 +27,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from megamoe.core import nvfp4, quant
-from megamoe.core.adapters import MoELayer
-from megamoe.core.checkpoint import (
-    CONFIG_FILE,
-    INDEX_FILE,
-    CheckpointReader,
-    open_checkpoint,
-)
-from megamoe.core.convert_output import (
+from megamoe.core.adapters import ModelAdapter, open_checkpoint
+from megamoe.core.checkpoint import nvfp4
+from megamoe.core.checkpoint.convert_output import (
     ACTIVE_PARTIALS,
     copy_other_files,
     partial_path,
@@ -43,8 +37,7 @@ from megamoe.core.convert_output import (
     remove_stale_partials,
     write_new,
 )
-from megamoe.core.errors import CheckpointError, NonFiniteError, UsageError, note_source
-from megamoe.core.expert_names import (
+from megamoe.core.checkpoint.expert_names import (
     CT_GLOBAL_SCALE,
     EXPERT_PROJS,
     FUSED_DOWN,
@@ -59,15 +52,19 @@ from megamoe.core.expert_names import (
     projection_specs,
     weight_kinds,
 )
-from megamoe.core.finiteness import check_block_scales, count_nonfinite
-from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
-from megamoe.core.mx_codes import UE8M0_DTYPES, as_ue8m0_bytes
-from megamoe.core.quant_config import unmark_converted
-from megamoe.core.shardfile import (
+from megamoe.core.checkpoint.layers import MoELayer
+from megamoe.core.checkpoint.quant_config import unmark_converted
+from megamoe.core.checkpoint.reader import CONFIG_FILE, INDEX_FILE, CheckpointReader
+from megamoe.core.checkpoint.shardfile import (
     ShardWriter,
     TensorEntry,
     read_tensor,
 )
+from megamoe.core.errors import CheckpointError, NonFiniteError, UsageError, note_source
+from megamoe.core.loading.finiteness import check_block_scales, count_nonfinite
+from megamoe.core.numerics import quant
+from megamoe.core.numerics.formats import BLOCK_FP8_DEFAULT, WeightFormat
+from megamoe.core.numerics.mx_codes import UE8M0_DTYPES, as_ue8m0_bytes
 
 
 @dataclass(frozen=True)
@@ -204,7 +201,7 @@ def convert_checkpoint(
     remove_stale_partials(out)
     start = time.perf_counter()
     reader, adapter = open_checkpoint(src)
-    plan = _plan(reader, dst)
+    plan = _plan(reader, adapter, dst)
     _check_dense_finite(reader)
     config = adapter.converted_config(reader.config, dst, reader.layers)
     if plan.stored_apart:  # left as stored: not converted
@@ -257,11 +254,8 @@ def _check_dense_finite(reader: CheckpointReader) -> None:
                 )
 
 
-def _plan(reader: CheckpointReader, dst: WeightFormat) -> _Plan:
+def _plan(reader: CheckpointReader, adapter: ModelAdapter, dst: WeightFormat) -> _Plan:
     """Lay out every output file and list the work, from headers only."""
-    adapter = reader.adapter
-    if adapter is None:
-        raise ValueError("convert needs a reader opened with an adapter")
     headers = {f: reader.files.entries(f) for f in reader.files.files}  # validated at open
     plan = _Plan(headers, files={f: {} for f in headers})
     block = BLOCK_FP8_DEFAULT  # megamoe's FP8_BLOCK: 128x128, the only block it detects

@@ -55,16 +55,26 @@ class IncompleteShardsError(ValueError):
     Attributes:
         missing: the unpaired keys, each ``(local expert id or None, shard id)``,
             mapped to the halves that are still missing.
+
+    Args:
+        prefix: the layer or module the shards belong to.
+        missing: as the attribute.
+        shard_names: shard id -> projection name for the message
+            (``megamoe.core.loading.pairing.SHARD_TO_PROJ``); ids without a name are shown as
+            they are.
     """
 
-    def __init__(self, prefix: str, missing: Mapping[Any, tuple[str, ...]]) -> None:
-        from megamoe.core.pairing import SHARD_TO_PROJ
-
+    def __init__(
+        self,
+        prefix: str,
+        missing: Mapping[Any, tuple[str, ...]],
+        shard_names: Mapping[str, str] | None = None,
+    ) -> None:
         self.missing = dict(missing)
 
         def tensors(key: Any, halves: tuple[str, ...]) -> str:
             expert, shard = key
-            proj = SHARD_TO_PROJ.get(shard, shard)
+            proj = (shard_names or {}).get(shard, shard)
             owner = "the shared expert" if expert is None else f"local expert {expert}"
             return f"{' and '.join(f'{proj}.{half}' for half in halves)} of {owner}"
 

@@ -20,12 +20,17 @@ from safetensors.torch import save_file
 
 from megamoe.core import adapters as adapter_registry
 from megamoe.core.adapters import ModelAdapter, SyntheticSizes
-from megamoe.core.checkpoint import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
-from megamoe.core.expert_names import CT_GLOBAL_SCALE, GLOBAL_SCALE, INPUT_SCALES, WEIGHT_PACKED
-from megamoe.core.experts import MegaMoEExperts
-from megamoe.core.formats import WeightFormat
-from megamoe.core.mx_codes import E2M1_MAX
-from megamoe.core.nvfp4 import quantize_nvfp4
+from megamoe.core.checkpoint.expert_names import (
+    CT_GLOBAL_SCALE,
+    GLOBAL_SCALE,
+    INPUT_SCALES,
+    WEIGHT_PACKED,
+)
+from megamoe.core.checkpoint.nvfp4 import quantize_nvfp4
+from megamoe.core.checkpoint.reader import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
+from megamoe.core.modules.experts import MegaMoEExperts
+from megamoe.core.numerics.formats import WeightFormat
+from megamoe.core.numerics.mx_codes import E2M1_MAX
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024 * 1024  # 2 MiB: a default synthetic checkpoint has shards
 BLOCK = 128  # rows and columns of one magnitude block

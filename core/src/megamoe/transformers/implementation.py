@@ -15,8 +15,8 @@ import torch.distributed as dist
 from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
 from transformers.integrations.moe import ExpertsInterface
 
-from megamoe.core.experts import MegaMoEExperts
-from megamoe.core.formats import ARCH_REFERENCE, WeightFormat, detect_arch, resolve_formats
+from megamoe.core.modules.experts import MegaMoEExperts
+from megamoe.core.numerics.formats import ARCH_REFERENCE, WeightFormat, detect_arch, resolve_formats
 from megamoe.transformers.loaded_experts import is_experts_module, read_experts
 
 IMPLEMENTATION = "megamoe"  # the experts_implementation name

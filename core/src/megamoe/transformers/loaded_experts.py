@@ -27,8 +27,8 @@ from transformers.integrations import moe as hf_moe
 from transformers.integrations.finegrained_fp8 import FP8Experts
 from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextExperts
 
-from megamoe.core.expert_names import FUSED_DOWN, FUSED_GATE_UP
-from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
+from megamoe.core.checkpoint.expert_names import FUSED_DOWN, FUSED_GATE_UP
+from megamoe.core.numerics.formats import BLOCK_FP8_DEFAULT, WeightFormat
 
 FP8_SCALE = "weight_scale_inv"  # block-FP8 scale name in checkpoints and in megamoe
 HF_SCALE_SUFFIX = "_scale_inv"  # FP8Experts: gate_up_proj_scale_inv, down_proj_scale_inv

@@ -7,10 +7,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from megamoe.core.adapters import MLP, ModelAdapter, MoEBlock, MoELayer, SharedExpert
-from megamoe.core.formats import WeightFormat
-from megamoe.core.hf_config import MoEConfig
-from megamoe.core.quant_config import detect_mlp_format
+from megamoe.core.adapters import MLP, ModelAdapter, MoEBlock
+from megamoe.core.checkpoint.hf_config import MoEConfig
+from megamoe.core.checkpoint.layers import MoELayer, SharedExpert
+from megamoe.core.checkpoint.quant_config import detect_mlp_format
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.glm5next import reference, synthetic
 from megamoe.glm5next.block import (
     FUSABLE_RUN_FORMATS,

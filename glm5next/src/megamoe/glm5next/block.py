@@ -9,20 +9,20 @@ from typing import Any, Unpack
 import torch
 
 from megamoe.core.adapters import MoEBlock
-from megamoe.core.backends.select import fuses_shared_experts
-from megamoe.core.block_setup import (
+from megamoe.core.checkpoint.quant_config import detect_mlp_format
+from megamoe.core.errors import IncompleteShardsError, MissingExpertsError
+from megamoe.core.loading.dense_update import DenseUpdate, discard_on_error
+from megamoe.core.modules.backend_select import fuses_shared_experts
+from megamoe.core.modules.block_setup import (
     EXPERTS,
     BlockOptions,
     ExpertPlan,
     check_hidden_states,
     plan_experts,
 )
-from megamoe.core.dense_update import DenseUpdate, discard_on_error
-from megamoe.core.errors import IncompleteShardsError, MissingExpertsError
-from megamoe.core.formats import WeightFormat
-from megamoe.core.parallel import ParallelSettings
-from megamoe.core.quant_config import detect_mlp_format
-from megamoe.core.shared_expert import AUX_IN_GRAPHS, AuxStream, SwiGLUMLP
+from megamoe.core.modules.parallel import ParallelSettings
+from megamoe.core.modules.shared_expert import AUX_IN_GRAPHS, AuxStream, SwiGLUMLP
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.glm5next.config import MODEL_NAME, Glm5NextConfig
 from megamoe.glm5next.experts import DEFAULT_REQUANT_CHUNK, Glm5NextMegaMoEExperts
 from megamoe.glm5next.router import Glm5NextRouter
@@ -48,7 +48,7 @@ class Glm5NextMegaMoeBlock(MoEBlock):
     MLP, issued right after the MegaMoE launch on the same stream so that its host work
     overlaps the kernel, or, while a CUDA graph is captured, on an auxiliary CUDA stream
     beside the router, joined before the launch (``use_aux_stream``,
-    ``megamoe.core.shared_expert.AuxStream``).
+    ``megamoe.core.modules.shared_expert.AuxStream``).
     Both compute the same function, with the model's SwiGLU clamp
     (``swiglu_limit``: gate <= L, -L <= up <= L, before silu) in the routed experts and the
     shared expert alike. The router's expert ids go to the experts
@@ -67,16 +67,16 @@ class Glm5NextMegaMoeBlock(MoEBlock):
             fuses; True requires fusing.
         use_aux_stream: the shared expert's schedule, ``"graphs"`` (default: the
             auxiliary stream only inside captured CUDA graphs), True or False; see
-            ``megamoe.core.shared_expert.AuxStream``.
+            ``megamoe.core.modules.shared_expert.AuxStream``.
         shared_gemm: how the (unfused) shared expert multiplies
-            (``megamoe.core.fp8_gemm.SharedGemm``): ``"bf16"`` (default; a block-FP8
+            (``megamoe.core.numerics.fp8_gemm.SharedGemm``): ``"bf16"`` (default; a block-FP8
             checkpoint is dequantized at load: measured faster on the H200), ``"deep_gemm"``
             (keeps block-FP8: half the memory, 1.4-2.0x slower on the H200 until its
             activation casts are fused), None picks ``deep_gemm`` where it runs.
         requant_chunk: experts per step of ``requantize_block_fp8``.
         **options: ``moe_format``, ``is_mtp``, ``backend``, ``device``, ``max_num_tokens``,
             ``emulate_kernel``, ``arch``, ``reload_staging_bytes`` (see
-            ``megamoe.core.block_setup.BlockOptions``).
+            ``megamoe.core.modules.block_setup.BlockOptions``).
             With ``moe_format=None`` the experts run as stored where the target can
             (block-FP8 on Hopper and the reference path), else convert with a warning
             (block-FP8 -> MXFP8 on SM100).

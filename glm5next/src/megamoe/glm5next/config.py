@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from megamoe.core.formats import BLOCK_FP8_DEFAULT
-from megamoe.core.hf_config import (
+from megamoe.core.checkpoint.hf_config import (
     bool_key,
     float_key,
     int_key,
@@ -20,6 +19,10 @@ from megamoe.core.hf_config import (
     swiglu_act,
     text_config,
 )
+from megamoe.core.numerics.formats import BLOCK_FP8_DEFAULT
+
+if TYPE_CHECKING:
+    import torch
 
 MODEL_NAME = "GLM-5.3-Flash"
 SCORING_FUNC = "sigmoid"  # the only router scoring GLM-5.3-Flash uses
@@ -159,7 +162,7 @@ class Glm5NextConfig:
     ``hidden_size``, ``num_experts_per_tok``, ``moe_intermediate_size``,
     ``num_hidden_layers``, ``num_nextn_predict_layers``, ``swiglu_limit`` and
     ``quantization_config`` (None when absent) mean what
-    ``megamoe.core.hf_config.MoEConfig`` says.
+    ``megamoe.core.checkpoint.hf_config.MoEConfig`` says.
 
     Attributes:
         model_type: the family: ``glm5_next``, ``deepseek_v3`` or ``glm4_moe``.
@@ -292,3 +295,34 @@ class Glm5NextConfig:
                 f"{room} experts in topk_group={self.topk_group} groups of "
                 f"{self.experts_per_group}; raise topk_group or lower num_experts_per_tok"
             )
+
+
+def check_group_settings(
+    num_experts: int, correction_bias: torch.Tensor, top_k: int, n_group: int, topk_group: int
+) -> None:
+    """Reject group settings under which the router's choice is not defined.
+
+    Raises:
+        ValueError: a bias that is not (E,), E not a multiple of ``n_group``, fewer than
+            two experts per group, ``topk_group`` outside 1..n_group, or more experts
+            asked for than the kept groups hold.
+    """
+    if n_group < 1 or num_experts % n_group or correction_bias.shape != (num_experts,):
+        raise ValueError(
+            f"router: scores have {num_experts} experts and the bias shape "
+            f"{tuple(correction_bias.shape)}; expected ({num_experts},) and a multiple of "
+            f"n_group={n_group}"
+        )
+    per_group = num_experts // n_group
+    if per_group < ROUTER_TOP2 or not 1 <= topk_group <= n_group:
+        raise ValueError(
+            f"router: n_group={n_group}, topk_group={topk_group} for {num_experts} experts; "
+            f"each group needs >= {ROUTER_TOP2} experts (its score sums its best two) and "
+            "1 <= topk_group <= n_group"
+        )
+    if not 1 <= top_k <= topk_group * per_group:
+        raise ValueError(
+            f"router: top_k={top_k} outside 1..{topk_group * per_group}, the experts of the "
+            f"topk_group={topk_group} kept groups of {per_group}; lower top_k or keep more "
+            "groups"
+        )

@@ -6,17 +6,17 @@ both formats, so it is written straight into the kernel tensor and its float32 b
 is staged beside it in ``*_weight_scale_inv`` (freed by the first successful
 ``finalize()``: 0.024% of the experts' bytes). Once the load is complete,
 ``requantize_block_fp8`` rounds every shard written since the last call to UE8M0 1x32
-scales in place, a few experts at a time, with ``megamoe.core.quant.requantize`` (so the
+scales in place, a few experts at a time, with ``megamoe.core.numerics.quant.requantize`` (so the
 bits equal an offline conversion). A first load that fails forgets those shards:
 ``finalize()`` then names the slots never written (``MissingExpertsError``).
 
 A reload (after a successful ``finalize()``) takes the ``MegaMoEExperts`` path: each shard is
-requantized as it completes (``requantize_shard``, the same bits) and staged in MXFP8
-until ``finalize()``, up to ``reload_staging_bytes`` (``megamoe.core.expert_loading``); beyond
-that budget shards are written in place. A reload that fails midway leaves the previous
-weights serving when it stayed within the budget; otherwise the layer refuses to serve until
-the shards it wrote are loaded again. Every other checkpoint/run pair (FP8_BLOCK run
-on Hopper: stored as is; BF16 or MX checkpoints) takes the ``MegaMoEExperts`` path always.
+requantized as it completes (``requantize_shard``, the same bits) and staged in MXFP8 until
+``finalize()``, up to ``reload_staging_bytes`` (``megamoe.core.loading.expert_loading``); beyond
+that budget shards are written in place. A reload that fails midway leaves the previous weights
+serving when it stayed within the budget; otherwise the layer refuses to serve until the shards
+it wrote are loaded again. Every other checkpoint/run pair (FP8_BLOCK run on Hopper: stored as
+is; BF16 or MX checkpoints) takes the ``MegaMoEExperts`` path always.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from megamoe.core import quant
-from megamoe.core.expert_loading import WEIGHT, split_shared_shard
-from megamoe.core.experts import MegaMoEExperts
-from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
-from megamoe.core.pairing import PROJ_TO_SHARD, SHARD_DOWN, SHARD_GATE, SHARD_UP, ShardKey
+from megamoe.core.loading.expert_loading import WEIGHT, split_shared_shard
+from megamoe.core.loading.pairing import PROJ_TO_SHARD, SHARD_DOWN, SHARD_GATE, SHARD_UP, ShardKey
+from megamoe.core.modules.experts import MegaMoEExperts
+from megamoe.core.numerics import quant
+from megamoe.core.numerics.formats import BLOCK_FP8_DEFAULT, WeightFormat
 
 # Experts requantized per step: bounds the temporaries (source copy, result, float32
 # workspace) to a few experts' worth, whatever the number of experts.

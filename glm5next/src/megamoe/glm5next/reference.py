@@ -13,16 +13,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megamoe.core import quant
-from megamoe.core.formats import WeightFormat
-from megamoe.core.quant_config import detect_expert_format, detect_mlp_format
-from megamoe.core.swiglu import swiglu
+from megamoe.core.checkpoint.quant_config import detect_expert_format, detect_mlp_format
+from megamoe.core.numerics import quant
+from megamoe.core.numerics.formats import WeightFormat
+from megamoe.core.numerics.swiglu import swiglu
 from megamoe.glm5next.config import Glm5NextConfig
 from megamoe.glm5next.router import grouped_topk, routing_of
 
 if TYPE_CHECKING:
-    from megamoe.core.adapters import MoELayer
-    from megamoe.core.checkpoint import CheckpointReader
+    from megamoe.core.checkpoint.layers import MoELayer
+    from megamoe.core.checkpoint.reader import CheckpointReader
 
 _PROJS = ("gate_proj", "up_proj", "down_proj")
 

@@ -19,10 +19,10 @@ from typing import TypedDict, Unpack
 
 import torch
 
-from megamoe.core.backends.base import DispatchBuffer
 from megamoe.core.kernels import TRITON_AVAILABLE, one_launch_router, router_scratch
-from megamoe.core.router_logits import PLANES, router_logits, weight_planes
-from megamoe.glm5next.config import ROUTER_TOP2, Glm5NextConfig
+from megamoe.core.numerics.dispatch import DispatchBuffer
+from megamoe.core.numerics.router_logits import PLANES, router_logits, weight_planes
+from megamoe.glm5next.config import ROUTER_TOP2, Glm5NextConfig, check_group_settings
 
 NORM_EPS = 1e-20  # added to the renormalization's denominator, as the model does
 BF16 = torch.bfloat16  # the activations the one-launch kernel takes; others run the torch path
@@ -63,37 +63,6 @@ def _top_indices(values: torch.Tensor, k: int) -> torch.Tensor:
     # A stable descending sort keeps equal values in index order; torch.topk does not
     # promise any order among ties.
     return torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]
-
-
-def check_group_settings(
-    num_experts: int, correction_bias: torch.Tensor, top_k: int, n_group: int, topk_group: int
-) -> None:
-    """Reject group settings under which the router's choice is not defined.
-
-    Raises:
-        ValueError: a bias that is not (E,), E not a multiple of ``n_group``, fewer than
-            two experts per group, ``topk_group`` outside 1..n_group, or more experts
-            asked for than the kept groups hold.
-    """
-    if n_group < 1 or num_experts % n_group or correction_bias.shape != (num_experts,):
-        raise ValueError(
-            f"router: scores have {num_experts} experts and the bias shape "
-            f"{tuple(correction_bias.shape)}; expected ({num_experts},) and a multiple of "
-            f"n_group={n_group}"
-        )
-    per_group = num_experts // n_group
-    if per_group < ROUTER_TOP2 or not 1 <= topk_group <= n_group:
-        raise ValueError(
-            f"router: n_group={n_group}, topk_group={topk_group} for {num_experts} experts; "
-            f"each group needs >= {ROUTER_TOP2} experts (its score sums its best two) and "
-            "1 <= topk_group <= n_group"
-        )
-    if not 1 <= top_k <= topk_group * per_group:
-        raise ValueError(
-            f"router: top_k={top_k} outside 1..{topk_group * per_group}, the experts of the "
-            f"topk_group={topk_group} kept groups of {per_group}; lower top_k or keep more "
-            "groups"
-        )
 
 
 def grouped_topk(
@@ -197,11 +166,11 @@ class Glm5NextRouter(torch.nn.Module):
     tokens under 256 experts, ``kernel.eager_matmul_tokens``): the logits GEMM and the
     selection together; from there cuBLAS's logits, then the
     kernel's selection (``megamoe.core.kernels.router_triton``). Elsewhere it is the torch
-    path, ``megamoe.core.router_logits`` then :func:`route_logits`.
+    path, ``megamoe.core.numerics.router_logits`` then :func:`route_logits`.
 
     Where a forward can carry that many tokens (``max_num_tokens``), the router also keeps
     ``weight_planes``: the float32 weight as three bf16 parts
-    (``megamoe.core.router_logits.weight_planes``, (3E, H) bf16, 1.5x the weight's bytes),
+    (``megamoe.core.numerics.router_logits.weight_planes``, (3E, H) bf16, 1.5x the weight's bytes),
     so those calls take one bf16 tensor-core GEMM instead of widening the activations for a
     float32 one; smaller calls' kernel tiles read them too (the same bits as splitting the
     weight in registers, a few us faster from 64 tokens). The parts follow the weight: the

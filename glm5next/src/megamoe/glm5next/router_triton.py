@@ -21,7 +21,7 @@ import torch
 
 from megamoe.core.kernels.router_triton import SCORE_SIGMOID, TritonRouter
 from megamoe.core.kernels.router_triton import covers as triton_covers
-from megamoe.glm5next.router import check_group_settings
+from megamoe.glm5next.config import check_group_settings
 
 __all__ = ["grouped_topk_triton", "triton_covers"]
 

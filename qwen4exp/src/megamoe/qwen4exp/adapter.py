@@ -7,10 +7,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from megamoe.core.adapters import ModelAdapter, MoEBlock, MoELayer, SharedExpert
-from megamoe.core.formats import WeightFormat
-from megamoe.core.hf_config import MoEConfig
-from megamoe.core.quant_config import detect_mlp_format
+from megamoe.core.adapters import ModelAdapter, MoEBlock
+from megamoe.core.checkpoint.hf_config import MoEConfig
+from megamoe.core.checkpoint.layers import MoELayer, SharedExpert
+from megamoe.core.checkpoint.quant_config import detect_mlp_format
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.qwen4exp import reference, synthetic
 from megamoe.qwen4exp.block import SHARED_EXPERT, SHARED_GATE, Qwen4ExpMegaMoeBlock
 from megamoe.qwen4exp.config import ARCHITECTURES, MODEL_TYPES, MTP_BLOCK_PREFIX, Qwen4ExpConfig

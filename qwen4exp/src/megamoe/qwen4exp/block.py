@@ -8,16 +8,21 @@ from typing import Any, Unpack
 import torch
 
 from megamoe.core.adapters import MoEBlock
-from megamoe.core.backends.base import DispatchBuffer
-from megamoe.core.block_setup import EXPERTS, BlockOptions, check_hidden_states, plan_experts
-from megamoe.core.dense_update import DenseUpdate, discard_on_error
+from megamoe.core.checkpoint.expert_names import WEIGHT, WEIGHT_PACKED
+from megamoe.core.checkpoint.quant_config import detect_mlp_format
 from megamoe.core.errors import IncompleteShardsError, MissingExpertsError
-from megamoe.core.expert_names import WEIGHT, WEIGHT_PACKED
 from megamoe.core.kernels import TRITON_AVAILABLE, one_launch_router, router_scratch
-from megamoe.core.parallel import ParallelSettings
-from megamoe.core.quant_config import detect_mlp_format
-from megamoe.core.router_logits import router_logits
-from megamoe.core.shared_expert import AUX_IN_GRAPHS, AuxStream, SwiGLUMLP
+from megamoe.core.loading.dense_update import DenseUpdate, discard_on_error
+from megamoe.core.modules.block_setup import (
+    EXPERTS,
+    BlockOptions,
+    check_hidden_states,
+    plan_experts,
+)
+from megamoe.core.modules.parallel import ParallelSettings
+from megamoe.core.modules.shared_expert import AUX_IN_GRAPHS, AuxStream, SwiGLUMLP
+from megamoe.core.numerics.dispatch import DispatchBuffer
+from megamoe.core.numerics.router_logits import router_logits
 from megamoe.qwen4exp.config import MODEL_NAME, Qwen4ExpConfig
 from megamoe.qwen4exp.experts import Qwen4ExpMegaMoEExperts
 
@@ -71,15 +76,15 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
             placement (linear) and tensor-parallel size (1).
         use_aux_stream: the shared expert's schedule, ``"graphs"`` (default: the
             auxiliary stream only inside captured CUDA graphs), True or False; see
-            ``megamoe.core.shared_expert.AuxStream``.
+            ``megamoe.core.modules.shared_expert.AuxStream``.
         shared_gemm: how the (unfused) shared expert multiplies
-            (``megamoe.core.fp8_gemm.SharedGemm``): ``"bf16"`` (default; a block-FP8
+            (``megamoe.core.numerics.fp8_gemm.SharedGemm``): ``"bf16"`` (default; a block-FP8
             checkpoint is dequantized at load: measured faster on the H200), ``"deep_gemm"``
             (keeps block-FP8: half the memory, 1.4-2.0x slower on the H200 until its
             activation casts are fused), None picks ``deep_gemm`` where it runs.
         **options: ``moe_format``, ``is_mtp``, ``backend``, ``device``, ``max_num_tokens``,
             ``emulate_kernel``, ``arch``, ``reload_staging_bytes`` (see
-            ``megamoe.core.block_setup.BlockOptions``).
+            ``megamoe.core.modules.block_setup.BlockOptions``).
 
     Raises:
         NotImplementedError: no expert-parallel group, tensor parallel > 1, non-linear

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megamoe.core.hf_config import (
+from megamoe.core.checkpoint.hf_config import (
     SWIGLU_ACT,
     bool_key,
     int_key,
@@ -81,7 +81,7 @@ class Qwen4ExpConfig:
             ``num_nextn_predict_layers``; 0 when neither is set).
 
     Note:
-        The other fields are the ``megamoe.core.hf_config.MoEConfig`` ones
+        The other fields are the ``megamoe.core.checkpoint.hf_config.MoEConfig`` ones
         (``quantization_config`` is None when unquantized; ``swiglu_limit`` is always None:
         Qwen experts do not clamp).
     """

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megamoe.core.experts import MegaMoEExperts
+from megamoe.core.modules.experts import MegaMoEExperts
 
 
 class Qwen4ExpMegaMoEExperts(MegaMoEExperts):

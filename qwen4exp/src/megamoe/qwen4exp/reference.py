@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from megamoe.core import quant
-from megamoe.core.formats import WeightFormat
-from megamoe.core.quant_config import detect_expert_format, detect_mlp_format
+from megamoe.core.checkpoint.quant_config import detect_expert_format, detect_mlp_format
+from megamoe.core.numerics import quant
+from megamoe.core.numerics.formats import WeightFormat
 from megamoe.qwen4exp.config import Qwen4ExpConfig
 
 if TYPE_CHECKING:
-    from megamoe.core.adapters import MoELayer
-    from megamoe.core.checkpoint import CheckpointReader
+    from megamoe.core.checkpoint.layers import MoELayer
+    from megamoe.core.checkpoint.reader import CheckpointReader
 
 _PROJS = ("gate_proj", "up_proj", "down_proj")
 

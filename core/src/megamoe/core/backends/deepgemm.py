@@ -29,8 +29,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 
-from megamoe.core import quant
-from megamoe.core.backends.base import DispatchBuffer, ExpertsBackend
 from megamoe.core.backends.deepgemm_layout import (
     KIND_BF16,
     KIND_FP8XFP4,
@@ -49,7 +47,12 @@ from megamoe.core.backends.symm_buffer import (
     resolve_group,
 )
 from megamoe.core.errors import CapabilityError, KernelSizeError
-from megamoe.core.formats import (
+from megamoe.core.loading.l1_order import L1RowOrder
+from megamoe.core.loading.tagging import KernelTag, check_tags
+from megamoe.core.modules.experts_backend import ExpertsBackend
+from megamoe.core.numerics import quant
+from megamoe.core.numerics.dispatch import DispatchBuffer
+from megamoe.core.numerics.formats import (
     ARCH_REFERENCE,
     ARCH_SM90,
     ARCH_SM100,
@@ -57,11 +60,9 @@ from megamoe.core.formats import (
     WeightFormat,
     detect_arch,
 )
-from megamoe.core.l1_order import L1RowOrder
-from megamoe.core.tagging import KernelTag, check_tags
 
 if TYPE_CHECKING:
-    from megamoe.core.experts import MegaMoEExperts
+    from megamoe.core.modules.experts import MegaMoEExperts
 
 KERNEL_KINDS = {
     (ARCH_SM90, WeightFormat.FP8_BLOCK): KIND_SM90,
@@ -272,7 +273,7 @@ class DeepGemmBackend(ExpertsBackend):
     over a one-rank group; see ``symm_buffer.resolve_group`` for how that group is found or
     created. Fused shared experts run inside the kernel where the installed DeepGEMM's SM100
     entry points take them (sgl-deep-gemm 0.2.5: ``shared_l1_weights``); elsewhere run the
-    shared expert as a separate MLP (``megamoe.core.shared_expert.SwiGLUMLP``).
+    shared expert as a separate MLP (``megamoe.core.modules.shared_expert.SwiGLUMLP``).
     """
 
     name: ClassVar[str] = "deepgemm"
@@ -355,7 +356,7 @@ class DeepGemmBackend(ExpertsBackend):
                 f"deep_gemm.{kernel_fn} takes no {SHARED_KEYWORDS[0]} (the {kind} kernel "
                 "fuses shared experts from sgl-deep-gemm 0.2.5 on SM100); build the layer with "
                 "num_shared_experts=0 and run the shared expert as a separate MLP "
-                "(megamoe.core.shared_expert.SwiGLUMLP), or use backend='reference'"
+                "(megamoe.core.modules.shared_expert.SwiGLUMLP), or use backend='reference'"
             )
         if kind == KIND_SM90:
             check_sm90_sizes(label, experts.hidden_size, experts.intermediate_size)

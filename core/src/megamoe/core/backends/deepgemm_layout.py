@@ -1,7 +1,7 @@
 """DeepGEMM MegaMoE's physical layout of one rank's experts, built expert by expert.
 
 The experts store ``w13`` with gate and up rows interleaved in groups of 8, the order
-DeepGEMM's kernels read (``megamoe.core.l1_order``), so the weights need no copy of their
+DeepGEMM's kernels read (``megamoe.core.loading.l1_order``), so the weights need no copy of their
 own: the kernel reads the experts' tensors. DeepGEMM's own transforms
 (``transform_weights_for_mega_moe_sm90`` on Hopper; ``transform_sf_into_required_layout``
 + ``transform_weights_for_mega_moe`` on SM100) still run on each expert that changed, from
@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megamoe.core.l1_order import L1RowOrder
-from megamoe.core.tagging import KernelTag, tag
+from megamoe.core.loading.l1_order import L1RowOrder
+from megamoe.core.loading.tagging import KernelTag, tag
 
 if TYPE_CHECKING:
-    from megamoe.core.experts import MegaMoEExperts
+    from megamoe.core.modules.experts import MegaMoEExperts
 
 KIND_SM90 = "sm90_fp8"  # fp8_mega_moe: FP8 x FP8 with float32 128x128 weight block scales
 KIND_FP8XFP4 = "fp8xfp4"  # fp8_fp4_mega_moe: MXFP8 activations x MXFP4 weights

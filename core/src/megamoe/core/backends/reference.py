@@ -32,14 +32,15 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.distributed as dist
 
-from megamoe.core import quant
-from megamoe.core.backends.base import DISPATCH_AMAX_FLOOR, DISPATCH_GROUP, ExpertsBackend
-from megamoe.core.formats import WeightFormat
-from megamoe.core.swiglu import swiglu
-from megamoe.core.tagging import check_tags, tag
+from megamoe.core.loading.tagging import check_tags, tag
+from megamoe.core.modules.experts_backend import ExpertsBackend
+from megamoe.core.numerics import quant
+from megamoe.core.numerics.dispatch import DISPATCH_AMAX_FLOOR, DISPATCH_GROUP
+from megamoe.core.numerics.formats import WeightFormat
+from megamoe.core.numerics.swiglu import swiglu
 
 if TYPE_CHECKING:
-    from megamoe.core.experts import MegaMoEExperts
+    from megamoe.core.modules.experts import MegaMoEExperts
 
 TOKEN_GROUP = (1, DISPATCH_GROUP)  # Hopper kernel input: a float32 scale per token per 128
 HOPPER_INTERMEDIATE_GROUP = 64  # Hopper kernel SwiGLU output: a power-of-two scale per 64

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megamoe.core.errors import FormatMismatchError
-from megamoe.core.tagging import KernelTag, tag
+from megamoe.core.loading.tagging import KernelTag, tag
 
 logger = logging.getLogger("megamoe")
 

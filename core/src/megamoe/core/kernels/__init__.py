@@ -1,11 +1,13 @@
 """Optional GPU kernels (Triton) that give the same bits as the torch paths in ``megamoe.core``.
 
-Nothing here is imported by the rest of core at import time: ``quant.requantize`` imports
-``megamoe.core.kernels.requant_triton`` on first use for CUDA tensors and falls back to
-torch when Triton is missing, so core works without Triton (CPU CI has none).
-``router_triton`` is the adapters' routers in one launch, taken where
-``TRITON_AVAILABLE`` and the tensors are on CUDA; ``launch`` relaunches a compiled Triton
-kernel without the JIT's per-call work.
+They stand above ``megamoe.core.modules`` (and beside ``megamoe.core.backends``): nothing
+below imports them at import time. Lower layers name the kernel they may use and import it
+on first CUDA use, falling back to torch when Triton is missing, so core works without
+Triton (CPU CI has none): ``numerics.quant.requantize`` takes ``requant_triton``,
+``modules.shared_expert`` takes ``swiglu_triton``. ``router_triton`` is the adapters'
+routers in one launch (writing ``numerics.dispatch.DispatchBuffer`` where the Hopper kernel
+reads it), taken where ``TRITON_AVAILABLE`` and the tensors are on CUDA; ``launch``
+relaunches a compiled Triton kernel without the JIT's per-call work.
 """
 
 from __future__ import annotations

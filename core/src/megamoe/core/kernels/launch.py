@@ -94,6 +94,7 @@ class KernelLaunch:
         runtime: Sequence[Any],
         constexprs: tuple[Any, ...],
         num_warps: int,
+        num_stages: int | None = None,
     ) -> None:
         """Launch ``grid`` programs on the current stream of CUDA device ``device_index``.
 
@@ -104,13 +105,16 @@ class KernelLaunch:
             runtime: the runtime arguments in signature order (tensors or data pointers).
             constexprs: :meth:`constexprs` of this variant.
             num_warps: the launch's warps (part of the variant).
+            num_stages: the software pipeline's depth (part of the variant); None for
+                Triton's default.
         """
         compiled = None
         direct = DIRECT_LAUNCH and not torch.compiler.is_compiling() and not _hooked()
         if direct and key is not None:
             compiled = self._compiled.get(key)
         if compiled is None:
-            launched = self._kernel[grid](*runtime, *constexprs, num_warps=num_warps)
+            stages = {} if num_stages is None else {"num_stages": num_stages}
+            launched = self._kernel[grid](*runtime, *constexprs, num_warps=num_warps, **stages)
             if direct and key is not None:
                 self._compiled[key] = launched
             return

@@ -1,6 +1,6 @@
 """Triton device functions shared by the requantization kernels: decode, UE8M0, E2M1.
 
-Each function computes exactly what its torch counterpart in ``megamoe.core.quant``
+Each function computes exactly what its torch counterpart in ``megamoe.core.numerics.quant``
 computes, on float32 bits where rounding could differ:
 
 - the dequantized tile is ``float32(element) * float32(scale)``, one rounding, as

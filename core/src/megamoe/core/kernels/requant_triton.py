@@ -24,9 +24,7 @@ import torch
 import triton
 from torch import Tensor
 
-from megamoe.core import quant
 from megamoe.core.errors import NonFiniteError
-from megamoe.core.formats import BLOCK_FP8_DEFAULT, WeightFormat
 from megamoe.core.kernels.requant_block import requant_to_block_kernel
 from megamoe.core.kernels.requant_codecs import (
     SRC_FLOAT,
@@ -35,6 +33,8 @@ from megamoe.core.kernels.requant_codecs import (
     SRC_MXFP8,
 )
 from megamoe.core.kernels.requant_mx import requant_to_mx_kernel
+from megamoe.core.numerics import quant
+from megamoe.core.numerics.formats import BLOCK_FP8_DEFAULT, WeightFormat
 
 __all__ = ["KernelConfig", "default_config", "requantize_triton", "requantize_triton_async"]
 

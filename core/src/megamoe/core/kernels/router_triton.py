@@ -69,10 +69,10 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from megamoe.core.backends.base import DISPATCH_AMAX_FLOOR, DISPATCH_GROUP, DispatchBuffer
 from megamoe.core.kernels.launch import ALIGNMENT, KernelLaunch, eager_key
-from megamoe.core.quant import E4M3_MAX
-from megamoe.core.router_logits import PLANES, router_logits
+from megamoe.core.numerics.dispatch import DISPATCH_AMAX_FLOOR, DISPATCH_GROUP, DispatchBuffer
+from megamoe.core.numerics.quant import E4M3_MAX
+from megamoe.core.numerics.router_logits import PLANES, router_logits
 
 __all__ = [
     "LAUNCH_SHAPES",

@@ -1,6 +1,6 @@
 """The shared expert's SwiGLU (with its optional clamp) in one Triton launch.
 
-``megamoe.core.swiglu.swiglu_gate_up`` on a bf16 ``[gate | up]`` row is three kernels with
+``megamoe.core.numerics.swiglu.swiglu_gate_up`` on a bf16 ``[gate | up]`` row is three kernels with
 a clamp (clamp, silu, multiply) and two without, each a launch of host time in eager mode
 (13-25 us each on the H200 test machine). :func:`swiglu_rows` is one launch giving the same
 bits:

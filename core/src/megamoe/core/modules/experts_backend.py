@@ -1,0 +1,128 @@
+"""The interface every experts backend implements (SPEC §3.5)."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from megamoe.core.loading.l1_order import L1RowOrder
+from megamoe.core.numerics.dispatch import DispatchBuffer
+from megamoe.core.numerics.formats import WeightFormat
+
+if TYPE_CHECKING:
+    from megamoe.core.modules.experts import MegaMoEExperts
+
+
+class ExpertsBackend(abc.ABC):
+    """Runs a ``MegaMoEExperts`` module's forward from its canonical kernel-form tensors.
+
+    ``MegaMoEExperts`` owns the weights (``w13_weight``: gate and up rows in the order
+    ``l1_row_order`` gives, ``w2_weight`` and their scales). A backend may keep its own
+    physical layout of what its kernel cannot read from them, built by ``prepare`` for the
+    local experts that changed, and must then update it in place so addresses captured by
+    CUDA graphs stay valid.
+
+    Backends are constructed without arguments (``backends.select.resolve_backend``); what
+    they need comes from the experts module handed to each call. Local expert ids handed to
+    ``prepare`` are kernel slots: ``0 .. num_local_experts - 1`` for routed experts, then
+    ``num_local_experts + s`` for fused shared expert ``s``.
+    """
+
+    name: ClassVar[str]
+
+    @classmethod
+    @abc.abstractmethod
+    def unsupported_reason(cls, run_format: WeightFormat, device: torch.device) -> str | None:
+        """Why this backend cannot run ``run_format`` on ``device``; None when it can."""
+
+    @classmethod
+    def fuses_shared_experts(cls, run_format: WeightFormat, device: torch.device) -> bool:
+        """Whether this backend runs experts built with ``num_shared_experts > 0`` here.
+
+        Asked before a block builds its experts, to fuse a shared expert only where it
+        runs. The default is no.
+        """
+        del run_format, device
+        return False
+
+    def check_layer(self, experts: MegaMoEExperts) -> None:
+        """Refuse layer sizes or settings this backend cannot run.
+
+        Called by the ``MegaMoEExperts`` constructor before any weight is allocated: only
+        the sizes and settings (``hidden_size``, ``intermediate_size``, ``top_k``,
+        ``num_experts``, ``num_local_experts``, ``num_shared_experts``, ``max_num_tokens``,
+        ``process_group``, ``device``, ``weight_format``, ``swiglu_limit``) are set then. The
+        default accepts everything.
+
+        Raises:
+            ValueError: a size the backend cannot run, naming it, the value and the rule.
+            CapabilityError: a setting the installed kernel lacks.
+        """
+        del experts
+
+    def rounds_activations(self, experts: MegaMoEExperts) -> bool:
+        """Whether this backend rounds the layer's activations to FP8, as the kernel does.
+
+        Judges how far the output may stray from a float64 reference
+        (``verify.tolerance_for``). The default is no.
+        """
+        del experts
+        return False
+
+    @property
+    def kernel_weights(self) -> dict[str, torch.Tensor]:
+        """Tensors the backend's kernel reads, by name, views of the experts' own included.
+
+        The default keeps none.
+        """
+        return {}
+
+    def l1_row_order(self, experts: MegaMoEExperts) -> L1RowOrder:
+        """The order the experts store gate and up rows in: the one this kernel reads.
+
+        Called once, after ``check_layer``, before the weights are allocated. The default
+        is the canonical ``[gate | up]``.
+        """
+        del experts
+        return L1RowOrder()
+
+    @abc.abstractmethod
+    def prepare(self, experts: MegaMoEExperts, local_ids: Sequence[int]) -> None:
+        """Bring the backend's view of the given local experts up to date (``finalize()``)."""
+
+    def dispatch_buffer(self, experts: MegaMoEExperts) -> DispatchBuffer | None:
+        """The input buffer a router kernel may fill for :meth:`forward_dispatched`.
+
+        None (the default) where the backend takes the routing only as ``forward``'s
+        arguments.
+        """
+        del experts
+        return None
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        experts: MegaMoEExperts,
+        hidden_states: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """Routed (plus fused shared) expert output for this rank's tokens, (tokens, H) bf16."""
+
+    def forward_dispatched(self, experts: MegaMoEExperts, tokens: int) -> torch.Tensor:
+        """:meth:`forward` of the ``tokens`` tokens a router kernel wrote into the buffer.
+
+        The router kernel wrote them and their routing into :meth:`dispatch_buffer`;
+        backends that return one implement this.
+
+        Raises:
+            NotImplementedError: the backend has no dispatch buffer.
+        """
+        del experts, tokens
+        raise NotImplementedError(
+            f"the {self.name} experts backend has no dispatch buffer; call forward() with "
+            "the routing"
+        )
