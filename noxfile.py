@@ -30,6 +30,8 @@ TEST_DEPS = ("pytest>=8", "hypothesis>=6")
 # the release that ships qwen4_exp and glm5_next. A test dependency only.
 ORACLE_DEPS = ("transformers==5.24.0",)
 SOURCE_PATHS = ("core/src", "qwen4exp/src", "glm5next/src")
+# The layers of megamoe.core as contracts ([tool.importlinter] in pyproject.toml).
+IMPORT_LINTER = "import-linter==2.17"
 # The site's generator, pinned: a build that passes --strict today passes tomorrow.
 DOCS_DEPS = (
     "mkdocs==1.6.1",
@@ -98,10 +100,18 @@ def tests(session: nox.Session, target: str, weight_format: str) -> None:
 @nox.session
 @_removes_its_venv
 def lint(session: nox.Session) -> None:
-    """Ruff lint and format check."""
-    session.install("ruff>=0.6")
+    """Ruff lint and format check; the import-linter contracts (pyproject.toml) and their test.
+
+    ``lint-imports`` reads the sources (grimp finds them on PYTHONPATH; nothing is
+    imported), then ``tests/test_import_layers.py`` shows that a planted wrong-way import
+    breaks each contract.
+    """
+    session.install("ruff>=0.6", IMPORT_LINTER, "pytest>=8")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    sources = os.pathsep.join(str(ROOT / p) for p in SOURCE_PATHS)
+    session.run("lint-imports", "--no-cache", env={"PYTHONPATH": sources})
+    session.run("pytest", "tests/test_import_layers.py", "-p", "no:cacheprovider")
 
 
 @nox.session
