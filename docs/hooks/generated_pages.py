@@ -4,7 +4,7 @@
   under "API reference" by package; a package's page shows its docstring only.
 - ``packages/<folder>.md``: each distribution's README.
 - ``cli.md``: the ``<!-- megamoe-help -->`` marker becomes ``megamoe --help`` and every
-  command's ``--help``, from the argument parser itself (``megamoe.core.cli``, which needs
+  command's ``--help``, from the argument parser itself (``megamoe.core.cli.main``, which needs
   no torch).
 """
 
@@ -36,40 +36,50 @@ WIDTH = 96  # help text columns, as a terminal of that width shows it
 
 def modules(package: str) -> list[str]:
     """Dotted names of ``package`` and its modules, the package first, then sorted."""
+    return sorted(_sources(package), key=lambda name: (name != package, name))
+
+
+def _sources(package: str) -> dict[str, bool]:
+    """Each dotted module name of ``package`` -> whether it is a package (an ``__init__``)."""
     src = ROOT / PACKAGES[package] / "src"
-    found = []
+    found = {}
     for path in sorted((src / package.replace(".", "/")).rglob("*.py")):
         parts = path.relative_to(src).with_suffix("").parts
-        found.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
-    return sorted(found, key=lambda name: (name != package, name))
+        is_package = parts[-1] == "__init__"
+        found[".".join(parts[:-1] if is_package else parts)] = is_package
+    return found
 
 
 def _api_page(module: str, package: str) -> str:
-    options = (
-        "    options:\n      members: false\n"
-        if module == package or module.endswith(".backends") or module.endswith(".kernels")
-        else ""
-    )
+    # A package's page is its docstring (what it holds, how data flows); its modules have
+    # their own pages.
+    options = "    options:\n      members: false\n" if _sources(package)[module] else ""
     return f"# `{module}`\n\n::: {module}\n{options}"
 
 
-def _label(module: str, package: str) -> str:
-    """The navigation entry: the module's name within its package (the package: itself)."""
-    return "(package)" if module == package else module.removeprefix(f"{package}.")
+def _nav(package: str) -> list[Any]:
+    """The package's pages, a sub-package's modules grouped under it (its page first)."""
+    sources = _sources(package)
+    entries: list[Any] = []
+    for module in modules(package):
+        rel = module.removeprefix(f"{package}.")
+        page = f"api/{module}.md"
+        if module == package:
+            entries.append({"(package)": page})
+        elif sources[module]:
+            members = [m for m in modules(package) if m.startswith(f"{module}.")]
+            group = [{"(package)": page}, *({m.rsplit(".", 1)[1]: f"api/{m}.md"} for m in members)]
+            entries.append({f"{rel}/": group})
+        elif "." not in rel:
+            entries.append({rel: page})
+    return entries
 
 
 def on_config(config: Any) -> Any:
     """Add the package and API pages to the navigation."""
     nav = config["nav"]
     nav.append({"Packages": [{name: f"packages/{name}.md"} for name in READMES]})
-    nav.append(
-        {
-            "API reference": [
-                {package: [{_label(m, package): f"api/{m}.md"} for m in modules(package)]}
-                for package in PACKAGES
-            ]
-        }
-    )
+    nav.append({"API reference": [{package: _nav(package)} for package in PACKAGES]})
     return config
 
 
@@ -89,7 +99,7 @@ def on_files(files: Files, config: Any) -> Files:
 
 def _help_texts() -> str:
     sys.path.insert(0, str(ROOT / "core" / "src"))
-    from megamoe.core.cli import build_parser
+    from megamoe.core.cli.main import build_parser
 
     parser = build_parser()
     parser.formatter_class = lambda prog: argparse.HelpFormatter(prog, width=WIDTH)
