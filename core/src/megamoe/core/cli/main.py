@@ -31,7 +31,7 @@ from megamoe.core.cli.exit_codes import (
 from megamoe.core.errors import UsageError
 
 # The values of megamoe.core.numerics.formats' WeightFormat and ARCHES, spelled out so that parsing
-# needs no torch (core/tests/test_cli.py checks that each exists there). FORMATS are the run
+# needs no torch (core/tests/cli/test_cli.py checks that each exists there). FORMATS are the run
 # formats; CHECKPOINT_FORMATS add NVFP4, which checkpoints store and nothing runs as.
 FORMATS = ("bf16", "fp8_block", "mxfp8", "mxfp4")
 CHECKPOINT_FORMATS = (*FORMATS, "nvfp4")

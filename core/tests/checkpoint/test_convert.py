@@ -33,7 +33,7 @@ from megamoe.core.testing import (
 SIZES = SyntheticSizes(num_layers=2, hidden_size=256, intermediate_size=128, num_experts=4)
 TARGETS = [WeightFormat.MXFP8, WeightFormat.MXFP4, WeightFormat.FP8_BLOCK]
 SHARD = 150_000
-TESTS_DIR = Path(__file__).resolve().parent
+TESTS_DIR = Path(__file__).resolve().parents[1]  # core/tests, where conftest.py lies
 SRC_DIR = TESTS_DIR.parent / "src"
 
 
