@@ -19,11 +19,22 @@ import torch
 
 from megamoe.core.checkpoint.expert_names import TensorSpec, expert_tensor_spec, parse_expert_name
 from megamoe.core.checkpoint.files import CONFIG_FILE
-from megamoe.core.checkpoint.hf_config import MoEConfig, is_composite, quantization_config
-from megamoe.core.checkpoint.layers import MoELayer, SharedExpert
+from megamoe.core.checkpoint.hf_config import (
+    MoEConfig,
+    dense_cause,
+    is_composite,
+    mtp_count_text,
+    quantization_config,
+)
+from megamoe.core.checkpoint.layers import (
+    MLP,
+    MoELayer,
+    SharedExpert,
+    decoder_prefix,
+)
 from megamoe.core.checkpoint.quant_config import detect_expert_format, mark_converted
 from megamoe.core.checkpoint.reader import CheckpointReader, read_config
-from megamoe.core.errors import CheckpointError, NoAdapterError, note_source
+from megamoe.core.errors import CheckpointError, NoAdapterError, NoMoELayerError, note_source
 from megamoe.core.modules.block_setup import EXPERTS
 from megamoe.core.modules.fixed_module import FixedModule
 from megamoe.core.modules.parallel import ParallelSettings
@@ -35,25 +46,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("megamoe")
 
 ENTRY_POINT_GROUP = "megamoe.adapters"
-# Decoder layers of the text model: composite (vision-language) saves nest the text tower
-# under ``model.language_model``; text-only saves keep it at ``model``.
-COMPOSITE_DECODER = "model.language_model.layers"
-TEXT_DECODER = "model.layers"
-MLP = "mlp"  # module name of a decoder layer's MLP (the MoE block in sparse layers)
-
-
-def decoder_prefix(config: Mapping[str, Any], tensor_names: Collection[str] | None = None) -> str:
-    """The tensor prefix of the decoder layers, ``model.language_model.layers`` or ``model.layers``.
-
-    With the checkpoint's tensor names, the one that holds tensors (a composite config may
-    come with a text-only save and the other way round); else the config's shape decides.
-    """
-    if tensor_names is not None:
-        for candidate in (COMPOSITE_DECODER, TEXT_DECODER):
-            head = f"{candidate}."
-            if any(name.startswith(head) for name in tensor_names):
-                return candidate
-    return COMPOSITE_DECODER if is_composite(config) else TEXT_DECODER
 
 
 @dataclass(frozen=True)
@@ -241,6 +233,9 @@ class ModelAdapter(abc.ABC):
                 config alone.
 
         Raises:
+            NoMoELayerError: no layer is left: every decoder layer is dense and no MTP
+                layer is held (a ``CheckpointError``); the message names the rule that
+                made them dense.
             ValueError: an invalid config key (named).
             NotImplementedError: a quantization method megamoe cannot load, naming it and
                 the layer prefix.
@@ -271,6 +266,8 @@ class ModelAdapter(abc.ABC):
                 len(held),
                 next(p for _, p, _ in declared if all(p != h[1] for h in held)),
             )
+        if not found and not held:
+            raise NoMoELayerError(_no_moe_layer(cfg, len(declared)))
         return [
             MoELayer(
                 index=index,
@@ -429,6 +426,23 @@ class ModelAdapter(abc.ABC):
         return expert_tensor_spec(
             layer.checkpoint_format, name, *self.expert_dims(config), BLOCK_FP8_DEFAULT
         )
+
+
+def _no_moe_layer(cfg: MoEConfig, mtp_declared: int) -> str:
+    """Why a config has no MoE layer: each decoder layer's rule, and the MTP layers."""
+    layers = cfg.num_hidden_layers
+    causes = dict.fromkeys(dense_cause(cfg, i)[0] for i in range(layers))
+    mtp = (
+        f"it holds the experts of none of the {mtp_declared} MTP layer(s) {mtp_count_text(cfg)} "
+        "declares"
+        if mtp_declared
+        else f"it has no MTP layer ({mtp_count_text(cfg)})"
+    )
+    return (
+        f"config.json: the checkpoint has no MoE layer: each of its {layers} decoder layer(s) "
+        f"is dense by {'; '.join(causes)}, and {mtp}; megamoe has nothing to load, verify or "
+        "convert (a dense model needs no megamoe; if this one has experts, fix its config.json)"
+    )
 
 
 def installed_adapters() -> dict[str, ModelAdapter]:

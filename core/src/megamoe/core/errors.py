@@ -105,6 +105,10 @@ class UnsupportedCheckpointError(CheckpointError, NotImplementedError):
     """A valid checkpoint megamoe cannot run (a quantization method, an activation, ...)."""
 
 
+class NoMoELayerError(CheckpointError):
+    """A checkpoint whose config declares no MoE layer: nothing to load, verify or convert."""
+
+
 class NoAdapterError(CheckpointError, LookupError):
     """No installed adapter claims a checkpoint's ``config.json``."""
 

@@ -7,9 +7,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from megamoe.core.adapters import MLP, ModelAdapter, MoEBlock
+from megamoe.core.adapters import ModelAdapter, MoEBlock
 from megamoe.core.checkpoint.hf_config import MoEConfig
-from megamoe.core.checkpoint.layers import MoELayer, SharedExpert
+from megamoe.core.checkpoint.layers import MLP, MoELayer, SharedExpert
 from megamoe.core.checkpoint.quant_config import detect_mlp_format
 from megamoe.core.numerics.formats import WeightFormat
 from megamoe.glm5next import reference, synthetic

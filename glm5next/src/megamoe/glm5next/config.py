@@ -7,10 +7,11 @@ SwiGLU clamp.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from megamoe.core.checkpoint.hf_config import (
+    WordedDefault,
     bool_key,
     float_key,
     int_key,
@@ -175,6 +176,8 @@ class Glm5NextConfig:
         norm_topk_prob: renormalize the chosen weights to sum to one before scaling.
         mlp_layer_types: ``dense`` or ``sparse`` per main-model decoder layer.
         weight_block_size: rows x columns of one block-FP8 scale.
+        defaulted: keys ``config.json`` leaves out, with the transformers default taken.
+        mtp_count_key: the key the MTP layer count is read from.
     """
 
     hidden_size: int
@@ -193,6 +196,8 @@ class Glm5NextConfig:
     swiglu_limit: float | None = None
     model_type: str = GLM5_NEXT
     quantization_config: Mapping[str, Any] | None = None
+    defaulted: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    mtp_count_key: str = "num_nextn_predict_layers"
 
     @property
     def experts_per_group(self) -> int:
@@ -212,6 +217,30 @@ class Glm5NextConfig:
     def is_moe_layer(self, layer: int) -> bool:
         """Whether main-model decoder layer ``layer`` has an MoE MLP."""
         return self.mlp_layer_types[layer] == MLP_SPARSE
+
+    def dense_reason(self, index: int) -> tuple[str, str]:
+        """The key (or default) that makes layer ``index`` dense, and the fix."""
+        if self.model_type == GLM5_NEXT:
+            if "mlp_layer_types" not in self.defaulted:
+                return (
+                    f"mlp_layer_types[{index}]={MLP_DENSE!r}",
+                    f"set mlp_layer_types[{index}] to {MLP_SPARSE!r} in config.json",
+                )
+            return (
+                f"mlp_layer_types, absent from config.json: transformers' {GLM5_NEXT} default "
+                f"makes the first {GLM5_LEADING_DENSE} decoder layers dense",
+                f"add mlp_layer_types to config.json, {MLP_SPARSE!r} for layer {index} (one "
+                f"{MLP_DENSE!r} or {MLP_SPARSE!r} per decoder layer)",
+            )
+        first = self.mlp_layer_types.count(MLP_DENSE)
+        if "first_k_dense_replace" not in self.defaulted:
+            cause = f"first_k_dense_replace={first} (the layers below it are dense)"
+        else:
+            cause = (
+                f"first_k_dense_replace, absent from config.json: transformers' "
+                f"{self.model_type} default {first} makes the layers below it dense"
+            )
+        return cause, f"set first_k_dense_replace to {index} or less in config.json"
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> Glm5NextConfig:
@@ -235,11 +264,25 @@ class Glm5NextConfig:
         swiglu_act(text)
         quant = quantization_config(config)
 
+        defaulted = {
+            key: value
+            for key, value in defaults.items()
+            if text.get(key) is None and value is not None
+        }
+        if family == GLM5_NEXT and text.get("mlp_layer_types") is None:
+            defaulted["mlp_layer_types"] = WordedDefault(
+                f"the first {GLM5_LEADING_DENSE} layers dense, then sparse"
+            )
+
         def read(key: str, minimum: int = 1) -> int:
             return int_key(text, key, model=MODEL_NAME, default=defaults[key], minimum=minimum)
 
         num_layers = read("num_hidden_layers")
         mtp_key = MTP_COUNT_ALIAS if text.get("num_nextn_predict_layers") is None else None
+        mtp_count_key = "num_nextn_predict_layers"
+        if mtp_key is not None and text.get(mtp_key) is not None:
+            defaulted.pop(mtp_count_key, None)
+            mtp_count_key = mtp_key
         limit = defaults["swiglu_limit"]
         cfg = cls(
             hidden_size=read("hidden_size"),
@@ -266,6 +309,8 @@ class Glm5NextConfig:
             swiglu_limit=None if limit is None else float_key(text, "swiglu_limit", default=limit),
             model_type=family,
             quantization_config=quant,
+            defaulted=defaulted,
+            mtp_count_key=mtp_count_key,
         )
         cfg._check_router()
         return cfg

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from megamoe.core.adapters import COMPOSITE_DECODER, MLP, SyntheticSizes
+from megamoe.core.adapters import SyntheticSizes
 from megamoe.core.checkpoint.hf_config import text_config
-from megamoe.core.checkpoint.layers import MoELayer
+from megamoe.core.checkpoint.layers import COMPOSITE_DECODER, MLP, MoELayer
 from megamoe.core.checkpoint.quant_config import detect_mlp_format
 from megamoe.core.numerics.formats import BLOCK_FP8_DEFAULT, WeightFormat
 from megamoe.core.testing import synthetic_dense, synthetic_expert_tensors

@@ -79,6 +79,8 @@ class Qwen4ExpConfig:
         mlp_only_layers: Qwen3-Next: layers that are dense MLPs regardless of the step.
         num_nextn_predict_layers: MTP drafter layers (``mtp_num_hidden_layers`` or
             ``num_nextn_predict_layers``; 0 when neither is set).
+        defaulted: keys ``config.json`` leaves out, with the transformers default taken.
+        mtp_count_key: the key the MTP layer count is read from.
 
     Note:
         The other fields are the ``megamoe.core.checkpoint.hf_config.MoEConfig`` ones
@@ -99,6 +101,8 @@ class Qwen4ExpConfig:
     mlp_only_layers: tuple[int, ...] = ()
     num_nextn_predict_layers: int = 0
     quantization_config: Mapping[str, Any] | None = field(default=None, compare=False)
+    defaulted: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    mtp_count_key: str = MTP_COUNT_KEYS[0]
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> Qwen4ExpConfig:
@@ -127,6 +131,9 @@ class Qwen4ExpConfig:
         )
         mlp_only = _layer_list(text, sizes["num_hidden_layers"]) if qwen3_next else ()
         mtp_key = next((k for k in MTP_COUNT_KEYS if text.get(k) is not None), MTP_COUNT_KEYS[0])
+        defaulted: dict[str, Any] = {k: v for k, v in defaults.items() if text.get(k) is None}
+        if text.get(mtp_key) is None:
+            defaulted[mtp_key] = 0
         return cls(
             hidden_size=sizes["hidden_size"],
             num_experts=sizes["num_experts"],
@@ -141,6 +148,8 @@ class Qwen4ExpConfig:
             hidden_act=swiglu_act(text),
             num_nextn_predict_layers=int_key(text, mtp_key, model=MODEL_NAME, default=0, minimum=0),
             quantization_config=quantization_config(config),
+            defaulted=defaulted,
+            mtp_count_key=mtp_key,
         )
 
     @classmethod
@@ -179,6 +188,23 @@ class Qwen4ExpConfig:
         not in ``mlp_only_layers``.
         """
         return index not in self.mlp_only_layers and (index + 1) % self.decoder_sparse_step == 0
+
+    def dense_reason(self, index: int) -> tuple[str, str]:
+        """The key that makes Qwen3-Next layer ``index`` dense, and the fix.
+
+        Qwen4Exp has no dense layer, nor do Qwen3-Next's defaults (step 1, no
+        ``mlp_only_layers``): only a key set in ``config.json`` makes one.
+        """
+        if index in self.mlp_only_layers:
+            return (
+                f"mlp_only_layers={list(self.mlp_only_layers)!r}, which lists it",
+                f"remove {index} from mlp_only_layers in config.json",
+            )
+        return (
+            f"decoder_sparse_step={self.decoder_sparse_step} (only every "
+            f"{self.decoder_sparse_step}-th layer is sparse)",
+            f"set decoder_sparse_step to 1 in config.json (or one that makes layer {index} sparse)",
+        )
 
 
 def _layer_list(config: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:

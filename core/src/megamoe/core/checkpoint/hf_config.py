@@ -40,6 +40,8 @@ SIZE_BOUNDS = {
     "num_nextn_predict_layers": 64,
     "mtp_num_hidden_layers": 64,
 }
+# Keys that decide which layers are MoE layers (besides the layer and MTP counts).
+LAYER_RULE_KEYS = frozenset({"mlp_layer_types", "mlp_only_layers"})
 TEXT_CONFIG = "text_config"  # sub-config of the text model in composite configs
 QUANTIZATION_CONFIG = "quantization_config"
 
@@ -90,6 +92,68 @@ class MoEConfig(Protocol):
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether main-model decoder layer ``index`` has an MoE block."""
+
+    @property
+    def defaulted(self) -> Mapping[str, Any]:
+        """Keys ``config.json`` leaves out whose transformers default was taken, by value."""
+
+    @property
+    def mtp_count_key(self) -> str:
+        """The key the MTP layer count is read from (or would be, when absent)."""
+
+    def dense_reason(self, index: int) -> tuple[str, str]:
+        """Why main-model layer ``index`` is dense, and how to mark it sparse.
+
+        Returns:
+            ``(cause, fix)``: the key (or the default taken) that makes the layer dense,
+            and the ``config.json`` change that makes it an MoE layer.
+        """
+
+
+class WordedDefault(str):
+    """A default described in words (e.g. a layer rule); shown as it is, unquoted."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def key_text(key: str, value: object, defaulted: Mapping[str, Any]) -> str:
+    """``key=value``, or that ``key`` is absent and transformers' default was assumed."""
+    if key in defaulted:
+        return f"{key} absent from config.json (transformers' default {value!r} assumed)"
+    return f"{key}={value!r}"
+
+
+def defaults_note(defaulted: Mapping[str, Any], model_type: str) -> str:
+    """What an error led to by defaulted size keys adds: the keys and the values assumed.
+
+    Empty when no size key (``SIZE_BOUNDS``, the layer rule) was defaulted.
+    """
+    sizes = {k: v for k, v in defaulted.items() if k in SIZE_BOUNDS or k in LAYER_RULE_KEYS}
+    if not sizes:
+        return ""
+    taken = ", ".join(f"{k}={v!r}" for k, v in sizes.items())
+    return (
+        f"config.json leaves out {', '.join(sizes)}, so megamoe assumed transformers' "
+        f"{model_type} default(s) {taken}: set the checkpoint's own values in config.json"
+    )
+
+
+def dense_cause(cfg: MoEConfig, index: int) -> tuple[str, str]:
+    """``cfg.dense_reason(index)``; a generic one for a config class without it."""
+    reason = getattr(cfg, "dense_reason", None)
+    if reason is None:
+        return "the config's layer rule", "mark the layer sparse in config.json"
+    cause, fix = reason(index)
+    return str(cause), str(fix)
+
+
+def mtp_count_text(cfg: MoEConfig) -> str:
+    """The MTP layer count with the key it came from (or its default), for messages."""
+    key = getattr(cfg, "mtp_count_key", "num_nextn_predict_layers")
+    return key_text(key, cfg.num_nextn_predict_layers, getattr(cfg, "defaulted", {}))
 
 
 def is_composite(config: Mapping[str, Any]) -> bool:

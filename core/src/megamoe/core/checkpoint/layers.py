@@ -3,7 +3,9 @@
 ``MoELayer`` and ``SharedExpert`` are plain records of where a layer's experts lie and how
 they are stored. ``ModelRules`` is the part of the adapter contract
 (``megamoe.core.adapters.ModelAdapter``) that reading and validating a checkpoint needs:
-which layers are MoE, their sizes, and the tensor prefixes of their experts. The reader
+which layers are MoE (and, through the parsed config, why the others are dense), their sizes,
+the tensor prefixes of their experts and of the MTP layers' blocks. ``decoder_prefix`` and
+``MLP`` name where a checkpoint keeps its decoder layers and their MLPs. The reader
 (``megamoe.core.checkpoint.reader``) takes any object with these methods, so the checkpoint
 layer stands below the adapters that implement it.
 """
@@ -15,7 +17,28 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from megamoe.core.checkpoint.expert_names import TensorSpec
+from megamoe.core.checkpoint.hf_config import MoEConfig, is_composite
 from megamoe.core.numerics.formats import WeightFormat
+
+# Decoder layers of the text model: composite (vision-language) saves nest the text tower
+# under ``model.language_model``; text-only saves keep it at ``model``.
+COMPOSITE_DECODER = "model.language_model.layers"
+TEXT_DECODER = "model.layers"
+MLP = "mlp"  # module name of a decoder layer's MLP (the MoE block in sparse layers)
+
+
+def decoder_prefix(config: Mapping[str, Any], tensor_names: Collection[str] | None = None) -> str:
+    """The tensor prefix of the decoder layers, ``model.language_model.layers`` or ``model.layers``.
+
+    With the checkpoint's tensor names, the one that holds tensors (a composite config may
+    come with a text-only save and the other way round); else the config's shape decides.
+    """
+    if tensor_names is not None:
+        for candidate in (COMPOSITE_DECODER, TEXT_DECODER):
+            head = f"{candidate}."
+            if any(name.startswith(head) for name in tensor_names):
+                return candidate
+    return COMPOSITE_DECODER if is_composite(config) else TEXT_DECODER
 
 
 @dataclass(frozen=True)
@@ -53,6 +76,14 @@ class SharedExpert:
 
 class ModelRules(Protocol):
     """What the reader asks of a model adapter (``ModelAdapter`` implements all of it)."""
+
+    def parse_config(self, config: Mapping[str, Any]) -> MoEConfig:
+        """The model's parsed config (its layer rule, layer counts and the keys defaulted)."""
+        ...
+
+    def mtp_block_prefix(self, config: MoEConfig, decoder: str, index: int) -> str:
+        """Tensor prefix of MTP layer ``index``'s MoE block (``decoder``: ``decoder_prefix``)."""
+        ...
 
     def moe_layers(
         self, config: Mapping[str, Any], tensor_names: Collection[str] | None = None

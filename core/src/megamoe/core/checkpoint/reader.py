@@ -29,6 +29,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -60,8 +61,26 @@ from megamoe.core.checkpoint.files import (
     refuse_duplicate_keys,
     unreadable_json,
 )
-from megamoe.core.checkpoint.layers import ModelRules, MoELayer, SharedExpert
-from megamoe.core.errors import CheckpointError, UnsupportedCheckpointError, format_keys
+from megamoe.core.checkpoint.hf_config import (
+    MoEConfig,
+    defaults_note,
+    dense_cause,
+    key_text,
+    mtp_count_text,
+)
+from megamoe.core.checkpoint.layers import (
+    MLP,
+    ModelRules,
+    MoELayer,
+    SharedExpert,
+    decoder_prefix,
+)
+from megamoe.core.errors import (
+    CheckpointError,
+    NoMoELayerError,
+    UnsupportedCheckpointError,
+    format_keys,
+)
 from megamoe.core.numerics.formats import (
     BLOCK_FP8_DEFAULT,
     UNQUANTIZED_DTYPES,
@@ -82,6 +101,12 @@ MAX_CONFIG_BYTES = 16 << 20  # a real config.json is a few KB
 # Unquantized float dtypes other than BF16 that a checkpoint may store (training output).
 OTHER_FLOATS = frozenset({torch.float16, torch.float32, torch.float64})
 _T = TypeVar("_T")
+# Modules of an MoE block (routed experts, router, shared expert and its gate); a dense
+# MLP has gate_proj, up_proj and down_proj only.
+MOE_MODULES = frozenset(
+    {"experts", "gate", "shared_expert", "shared_experts", "shared_expert_gate"}
+)
+_MLP_MODULE = re.compile(r"^(?P<stack>.+?)\.(?P<index>\d+)\.mlp\.(?P<module>[^.]+)\.")
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -143,29 +168,77 @@ class CheckpointReader:
         self.path = Path(path)
         self.config = read_config(self.path)
         self.adapter = adapter
+        cfg = None if adapter is None else self._config_checked(adapter.parse_config)
         if adapter is not None:  # bounded sizes before any loop they drive
             _, hidden, inter = self._config_checked(adapter.expert_dims)
-            try:
-                check_kernel_dims(hidden, inter)
-            except ValueError as err:
-                raise CheckpointError(
-                    f"{self.path / CONFIG_FILE}: {err}; this model cannot run on MegaMoE"
-                ) from None
+            with self._defaults_named(cfg):
+                try:
+                    check_kernel_dims(hidden, inter)
+                except ValueError as err:
+                    raise CheckpointError(
+                        f"{self.path / CONFIG_FILE}: {err}; this model cannot run on MegaMoE"
+                    ) from None
         self.files = CheckpointFiles(self.path)
         self.weight_map = self.files.weight_map
-        self.layers: list[MoELayer] = (
-            []
-            if adapter is None
-            else self._config_checked(adapter.moe_layers, self.weight_map.keys())
-        )
+        self.layers: list[MoELayer] = []
+        nothing: NoMoELayerError | None = None
+        if adapter is not None:
+            try:
+                self.layers = self._config_checked(adapter.moe_layers, self.weight_map.keys())
+            except NoMoELayerError as err:
+                nothing = err  # after the check that names experts under a dense layer
         self._expert_layers = {
             prefix: layer
             for layer in self.layers
             for prefix in (adapter.expert_prefixes(layer) if adapter else ())
         }
         self._groups = self._group_names()
-        for layer in self.layers:
-            self.check_layer(layer)
+        with self._defaults_named(cfg):
+            if adapter is not None and cfg is not None:
+                self._check_undeclared(adapter, cfg)
+            if nothing is not None:
+                raise nothing
+            for layer in self.layers:
+                self.check_layer(layer)
+
+    @contextmanager
+    def _defaults_named(self, cfg: MoEConfig | None) -> Iterator[None]:
+        """A ``CheckpointError`` raised inside names the size keys taken as defaults."""
+        try:
+            yield
+        except CheckpointError as err:
+            defaulted = getattr(cfg, "defaulted", None)
+            if not defaulted or isinstance(err, UnsupportedCheckpointError):
+                raise
+            model = getattr(cfg, "model_type", None) or "model"
+            unnamed = {k: v for k, v in defaulted.items() if k not in str(err)}
+            note = defaults_note(unnamed, model)
+            if not note:
+                raise
+            raise type(err)(f"{err}; {note}") from None
+
+    def _check_undeclared(self, adapter: ModelRules, cfg: MoEConfig) -> None:
+        """Refuse MoE tensors under a layer the config's own rule makes dense or leaves out.
+
+        Routed experts, a router or a shared expert (``MOE_MODULES``) under a decoder layer's
+        or MTP layer's MLP that is not one of the config's MoE layers would be passed over:
+        the model would run without them.
+        """
+        decoder = decoder_prefix(self.config, self.weight_map.keys())
+        declared = {layer.prefix for layer in self.layers} | {
+            adapter.mtp_block_prefix(cfg, decoder, j) for j in range(cfg.num_nextn_predict_layers)
+        }
+        stacks = {decoder, adapter.mtp_block_prefix(cfg, decoder, 0).rsplit(".", 2)[0]}
+        for name in sorted(self.weight_map):
+            match = _MLP_MODULE.match(name)
+            if match is None or match["stack"] not in stacks or match["module"] not in MOE_MODULES:
+                continue
+            block = f"{match['stack']}.{match['index']}.{MLP}"
+            if block not in declared:
+                raise CheckpointError(
+                    f"{self.path / CONFIG_FILE}: {block} holds MoE tensors (e.g. {name!r}), "
+                    + _undeclared_why(adapter, cfg, decoder, block, int(match["index"]))
+                )
 
     def _config_checked(self, read: Callable[..., _T], *args: Any) -> _T:
         """``read(config, *args)``, its config errors as ``CheckpointError`` naming the file.
@@ -175,7 +248,11 @@ class CheckpointReader:
         """
         try:
             return read(self.config, *args)
-        except CheckpointError:
+        except CheckpointError as err:
+            message = str(err)
+            if message.startswith(f"{CONFIG_FILE}: "):  # e.g. NoMoELayerError: name the file
+                where = f"{self.path / CONFIG_FILE}: "
+                raise type(err)(where + message.removeprefix(f"{CONFIG_FILE}: ")) from None
             raise
         except (ValueError, NotImplementedError) as err:
             kind = CheckpointError if isinstance(err, ValueError) else UnsupportedCheckpointError
@@ -623,3 +700,32 @@ def _check_complete(
             f"from the checkpoint, e.g. "
             f"{format_keys(missing)}; a {fmt.value} expert needs {needs} for gate, up and down"
         )
+
+
+def _undeclared_why(
+    adapter: ModelRules, cfg: MoEConfig, decoder: str, block: str, index: int
+) -> str:
+    """Why MoE block ``block`` is no MoE layer of ``cfg``, and the fix (message tail)."""
+    passed = "megamoe would pass over them and an engine would serve the model without them"
+    layers = cfg.num_hidden_layers
+    if block == f"{decoder}.{index}.{MLP}" and index < layers and not cfg.is_moe_layer(index):
+        cause, fix = dense_cause(cfg, index)
+        return (
+            f"but decoder layer {index} is dense by {cause}, so {passed}; {fix}, or use the "
+            "config this checkpoint belongs to (a dense layer holds no experts, router or "
+            "shared expert)"
+        )
+    count = cfg.num_nextn_predict_layers
+    key = getattr(cfg, "mtp_count_key", "num_nextn_predict_layers")
+    for j in (index, index - layers):
+        if j >= count and adapter.mtp_block_prefix(cfg, decoder, j) == block:
+            return (
+                f"of MTP layer {j}, but {mtp_count_text(cfg)} counts {count} MTP layer(s), so "
+                f"{passed}; set {key} to {j + 1} in config.json, or remove the tensors"
+            )
+    counted = key_text("num_hidden_layers", layers, getattr(cfg, "defaulted", {}))
+    return (
+        f"but it is no layer config.json declares ({counted}, "
+        f"{mtp_count_text(cfg)}), so {passed}; fix the layer counts in config.json, or use "
+        "the config this checkpoint belongs to"
+    )
