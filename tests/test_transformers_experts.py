@@ -301,9 +301,9 @@ GROUPED_MM = "experts_implementation='grouped_mm'"
             "act_fn=GELU",
             GROUPED_MM,
         ),
-        (lambda e: e.float(), TypeError, "dtype torch.float32", "dtype=torch.bfloat16"),
+        (lambda e: e.double(), TypeError, "dtype torch.float64", "dtype=torch.bfloat16"),
     ],
-    ids=["bias", "transposed", "gelu", "float32"],
+    ids=["bias", "transposed", "gelu", "float64"],
 )
 def test_refuses_experts_it_does_not_compute(
     tmp_path: Path, change: Callable[[torch.nn.Module], object], error: type, rule: str, fix: str

@@ -10,6 +10,8 @@ forward then runs it, splitting batches larger than its ``max_num_tokens`` into 
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
@@ -17,7 +19,7 @@ from transformers.integrations.moe import ExpertsInterface
 
 from megamoe.core.modules.experts import MegaMoEExperts
 from megamoe.core.numerics.formats import ARCH_REFERENCE, WeightFormat, detect_arch, resolve_formats
-from megamoe.transformers.loaded_experts import is_experts_module, read_experts
+from megamoe.transformers.loaded_experts import LoadedExperts, is_experts_module, read_experts
 
 IMPLEMENTATION = "megamoe"  # the experts_implementation name
 CHILD = "megamoe"  # the experts module's child that holds megamoe's experts
@@ -46,25 +48,28 @@ def megamoe_experts_forward(
 
     Args:
         self: the transformers experts module.
-        hidden_states: (T, H) bfloat16.
+        hidden_states: (T, H) bfloat16; a float32 or float16 model's are rounded to
+            bfloat16 (as its experts were: ``build_experts``).
         top_k_index: (T, k) expert ids.
         top_k_weights: (T, k) routing weights (any float dtype; megamoe takes float32).
 
     Returns:
-        (T, H) bfloat16.
+        (T, H) in the dtype of ``hidden_states``.
     """
     experts = self._modules.get(CHILD)
     if not isinstance(experts, MegaMoEExperts):
         experts = build_experts(self, type(self).__name__)
     weights = top_k_weights.to(torch.float32)
+    dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.bfloat16)
     step = experts.max_num_tokens
     if hidden_states.shape[0] <= step:
-        return experts(hidden_states, weights, top_k_index)
+        return experts(hidden_states, weights, top_k_index).to(dtype)
     chunks = [
         experts(hidden_states[s : s + step], weights[s : s + step], top_k_index[s : s + step])
         for s in range(0, hidden_states.shape[0], step)
     ]
-    return torch.cat(chunks)
+    return torch.cat(chunks).to(dtype)
 
 
 def build_experts(
@@ -79,8 +84,10 @@ def build_experts(
     """Move one experts module's weights into megamoe's experts (its child ``megamoe``).
 
     The run format is the stored one where the target runs it, else what megamoe converts
-    it to (``resolve_formats``; e.g. BF16 -> block-FP8 on Hopper, with a warning). The
-    module's ``gate_up_proj`` / ``down_proj`` (and FP8 scales) are deleted afterwards.
+    it to (``resolve_formats``; e.g. BF16 -> block-FP8 on Hopper, with a warning). Experts
+    of a float32 or float16 model are taken over rounded to BF16 (then to the run format),
+    and their inputs rounded alike: one warning says so. The module's ``gate_up_proj`` /
+    ``down_proj`` (and FP8 scales) are deleted afterwards.
 
     Args:
         module: a transformers experts module with its weights loaded.
@@ -108,6 +115,7 @@ def build_experts(
     loaded = read_experts(module, name)
     target = ARCH_REFERENCE if backend == "reference" else detect_arch(loaded.device)
     _, run_format = resolve_formats(loaded.checkpoint_format, moe_format, target)
+    _warn_rounding(loaded, run_format)
     # Built outside inference mode: the kernel tensors are rewritten in place on reloads.
     with torch.inference_mode(False), torch.no_grad():
         experts = MegaMoEExperts(
@@ -133,6 +141,21 @@ def build_experts(
         delattr(module, param)
     module.add_module(CHILD, experts)
     return experts
+
+
+def _warn_rounding(loaded: LoadedExperts, run_format: WeightFormat) -> None:
+    """Warn (once per dtype and run format: the text names no layer) of the BF16 rounding."""
+    if loaded.source_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        return
+    then = "" if run_format is WeightFormat.BF16 else f" (then as {run_format.value})"
+    warnings.warn(
+        f"megamoe takes over the model's {loaded.source_dtype} experts in bfloat16{then}: "
+        "their weights and the tokens they get are rounded to bfloat16 (8 significant bits; "
+        f"outputs about 1e-2 relative from {loaded.source_dtype} experts); to keep "
+        f"{loaded.source_dtype}, use experts_implementation='grouped_mm'",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def prepare(

@@ -9,6 +9,9 @@ layout: ``gate_up_proj`` (E, 2I, H), gate rows first, and ``down_proj`` (E, H, I
   ``down_proj_scale_inv`` (E, H/128, I/128) (transformers' ``FP8Experts``).
 - Without a GPU, transformers dequantizes block-FP8 checkpoints to BF16 while loading, so
   the experts arrive as BF16.
+- A model loaded in float32 or float16 (``dtype=torch.float32``, usual on a CPU) holds
+  them in that dtype: megamoe takes them over rounded to BF16 (``ROUNDED_TO_BF16``), with
+  one warning.
 
 ``read_experts`` checks that the module computes what megamoe's experts compute
 (``silu(gate) * up``, optionally clamped as GLM-5.3-Flash does, no bias, gate and up rows
@@ -41,6 +44,8 @@ FLAGS_REFUSED = {  # use_experts_implementation flag -> the value megamoe needs,
     "_is_expert_parallel": (False, "megamoe in transformers runs every expert on one rank"),
 }
 GUIDE = "run this model with experts_implementation='grouped_mm' instead"
+# Unquantized dtypes whose experts megamoe takes over rounded to bfloat16 (with a warning).
+ROUNDED_TO_BF16 = (torch.float32, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -54,7 +59,9 @@ class LoadedExperts:
         top_k: experts per token (the config's ``num_experts_per_tok``).
         hidden_size: H.
         intermediate_size: I of one expert.
-        checkpoint_format: ``bf16`` or ``fp8_block``, as transformers holds them.
+        checkpoint_format: ``bf16`` or ``fp8_block``, as transformers holds them (``bf16``
+            for float32 and float16 experts, rounded to it by ``named_tensors``).
+        source_dtype: the dtype transformers holds the expert weights in.
         swiglu_limit: the clamp the module applies before its activation, None for none.
         params: transformers' expert tensors by parameter name (freed once megamoe holds
             the experts).
@@ -69,18 +76,20 @@ class LoadedExperts:
     checkpoint_format: WeightFormat
     swiglu_limit: float | None
     params: Mapping[str, torch.Tensor]
+    source_dtype: torch.dtype = torch.bfloat16
 
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The tensors under the names ``MegaMoEExperts.load_weights`` takes (views, no copies).
 
-        BF16: the fused ``gate_up_proj`` and ``down_proj`` as they are. Block-FP8: per expert
+        BF16: the fused ``gate_up_proj`` and ``down_proj`` as they are (float32 or float16
+        ones rounded to bfloat16 here: copies, one at a time). Block-FP8: per expert
         ``{e}.{gate,up,down}_proj.{weight,weight_scale_inv}``, the fused tensors split at
         row I and scale row I/128 (I is a multiple of 128, checked by ``MegaMoEExperts``).
         """
         gate_up, down = self.params[FUSED_GATE_UP], self.params[FUSED_DOWN]
         if self.checkpoint_format is WeightFormat.BF16:
-            yield FUSED_GATE_UP, gate_up
-            yield FUSED_DOWN, down
+            yield FUSED_GATE_UP, gate_up.to(torch.bfloat16)
+            yield FUSED_DOWN, down.to(torch.bfloat16)
             return
         gate_up_scale = self.params[FUSED_GATE_UP + HF_SCALE_SUFFIX]
         down_scale = self.params[FUSED_DOWN + HF_SCALE_SUFFIX]
@@ -116,7 +125,8 @@ def read_experts(module: torch.nn.Module, name: str) -> LoadedExperts:
         NotImplementedError: the module computes something megamoe's experts do not (a
             bias, another activation or gate, transposed or interleaved weights, expert
             parallelism, static FP8 activation scales, FP8 blocks other than 128x128).
-        TypeError: weights that are neither bfloat16 nor float8_e4m3fn with float32 scales.
+        TypeError: weights that are neither bfloat16 (or float32 / float16, taken over
+            rounded to bfloat16) nor float8_e4m3fn with float32 scales.
         ValueError: no ``num_experts_per_tok`` in the module's config.
     """
     cls = type(module).__name__
@@ -149,19 +159,20 @@ def read_experts(module: torch.nn.Module, name: str) -> LoadedExperts:
         checkpoint_format=fmt,
         swiglu_limit=_swiglu_limit(module, name),
         params=params,
+        source_dtype=gate_up.dtype,
     )
 
 
 def _stored_format(module: torch.nn.Module, name: str, gate_up: torch.Tensor) -> WeightFormat:
     """``bf16`` or ``fp8_block`` from the weights' dtype and, for FP8, its scale settings."""
     cls = type(module).__name__
-    if gate_up.dtype == torch.bfloat16:
+    if gate_up.dtype == torch.bfloat16 or gate_up.dtype in ROUNDED_TO_BF16:
         return WeightFormat.BF16
     if gate_up.dtype != torch.float8_e4m3fn:
         raise TypeError(
             f"{name} ({cls}): {FUSED_GATE_UP} has dtype {gate_up.dtype}; megamoe runs "
-            "bfloat16 or block-FP8 (float8_e4m3fn) experts: load the model with "
-            "dtype=torch.bfloat16"
+            "bfloat16 or block-FP8 (float8_e4m3fn) experts and takes float32 or float16 ones "
+            "rounded to bfloat16: load the model with dtype=torch.bfloat16 (or float32)"
         )
     block = tuple(getattr(module, "block_size", None) or ())
     if block != BLOCK_FP8_DEFAULT:
