@@ -194,6 +194,12 @@ def run_inspect(args: argparse.Namespace) -> int:
         "checked     names, headers, index and every expert tensor (routed, shared, MTP) vs "
         "config.json"
     )
+    taken = ", ".join(f"{key}={value!r}" for key, value in plan.defaulted.items())
+    _out(
+        f"defaults    {taken} (absent from config.json: transformers' {plan.model_type} defaults)"
+        if taken
+        else "defaults    none (config.json sets every key megamoe would take a default for)"
+    )
     _out()
     headers = ("layer", "prefix", "stored", "runs as", "conversion", "kernel bytes/rank")
     rows = [

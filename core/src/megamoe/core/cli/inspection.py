@@ -7,9 +7,10 @@ validates a checkpoint (``megamoe.core.checkpoint.reader``), never tensor data.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from megamoe.core.adapters import ModelAdapter, open_checkpoint
 from megamoe.core.checkpoint.expert_names import projection_shape, projection_specs
@@ -55,6 +56,7 @@ class CheckpointPlan:
         arch: the target (``sm90``, ``sm100`` or ``reference``).
         ep_size: expert-parallel ranks.
         layers: one plan per MoE layer.
+        defaulted: keys ``config.json`` leaves out, with the transformers default assumed.
     """
 
     path: Path
@@ -67,6 +69,7 @@ class CheckpointPlan:
     arch: str
     ep_size: int
     layers: tuple[LayerPlan, ...]
+    defaulted: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def kernel_bytes_per_rank(self) -> int:
@@ -148,6 +151,7 @@ def plan_checkpoint(
         for layer, run in zip(reader.layers, runs, strict=True)
     ]
     files = set(reader.weight_map.values())
+    cfg = adapter.parse_config(reader.config)
     return CheckpointPlan(
         path=reader.path,
         adapter=adapter,
@@ -155,10 +159,11 @@ def plan_checkpoint(
         num_files=len(files),
         tensor_bytes=sum(reader.tensor_spec(n).nbytes for n in reader.weight_map),
         dims=(num_experts, hidden, inter),
-        swiglu_limit=adapter.parse_config(reader.config).swiglu_limit,
+        swiglu_limit=cfg.swiglu_limit,
         arch=arch,
         ep_size=ep_size,
         layers=tuple(plans),
+        defaulted=dict(getattr(cfg, "defaulted", {})),
     )
 
 
