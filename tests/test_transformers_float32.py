@@ -72,7 +72,9 @@ def test_float32_model_with_moe_format_warns_of_both_roundings(tmp_path: Path) -
     with pytest.warns(UserWarning) as caught:
         megamoe.transformers.prepare(model, moe_format="mxfp8")
     messages = [str(w.message) for w in caught if ROUNDING in str(w.message)]
-    assert messages and "in bfloat16 (then as mxfp8)" in messages[0], [str(w.message) for w in caught]
+    assert messages and "in bfloat16 (then as mxfp8)" in messages[0], [
+        str(w.message) for w in caught
+    ]
     children = [m for m in model.modules() if isinstance(m, MegaMoEExperts)]
     assert {e.weight_format for e in children} == {WeightFormat.MXFP8}
     with torch.no_grad():

@@ -114,7 +114,7 @@ def test_stale_layer_keys_are_ignored_as_transformers_ignores_them() -> None:
         ({"swiglu_limit": 0}, r"swiglu_limit=0 must be a positive number"),
         ({"swiglu_limit": "10"}, r"swiglu_limit='10' must be a positive number"),
         ({"mlp_layer_types": ["dense"]}, r"mlp_layer_types=\['dense'\] must list 'dense' or"),
-        ({"mlp_layer_types": ["moe"] * 4}, r"for each of the num_hidden_layers=4 decoder"),
+        ({"mlp_layer_types": ["moe"] * 4}, r"for each decoder layer \(num_hidden_layers=4\)"),
         ({"n_routed_experts": 0}, r"n_routed_experts=0 must be an integer >= 1"),
         ({"num_experts_per_tok": 2.0}, r"num_experts_per_tok=2.0 must be an integer"),
         ({"moe_intermediate_size": True}, r"moe_intermediate_size=True must be an integer"),

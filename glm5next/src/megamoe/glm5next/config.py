@@ -16,6 +16,7 @@ from megamoe.core.checkpoint.hf_config import (
     float_key,
     int_key,
     is_int,
+    key_text,
     quantization_config,
     swiglu_act,
     text_config,
@@ -120,7 +121,9 @@ def _block_size(quantization_config: Mapping[str, Any] | None) -> tuple[int, int
     return int(block[0]), int(block[1])
 
 
-def _mlp_layer_types(config: Mapping[str, Any], family: str, num_layers: int) -> tuple[str, ...]:
+def _mlp_layer_types(
+    config: Mapping[str, Any], family: str, num_layers: int, defaulted: Mapping[str, Any]
+) -> tuple[str, ...]:
     """``dense`` or ``sparse`` per decoder layer, by the family's own rule.
 
     GLM-5.3-Flash: ``mlp_layer_types`` (default three dense layers, then sparse; a stale
@@ -148,7 +151,8 @@ def _mlp_layer_types(config: Mapping[str, Any], family: str, num_layers: int) ->
     ):
         raise ValueError(
             f"config.json: mlp_layer_types={types!r} must list {MLP_DENSE!r} or {MLP_SPARSE!r} "
-            f"for each of the num_hidden_layers={num_layers} decoder layers"
+            f"for each decoder layer ({key_text('num_hidden_layers', num_layers, defaulted)}): "
+            "set both to the checkpoint's layers"
         )
     return tuple(types)
 
@@ -297,7 +301,7 @@ class Glm5NextConfig:
             ),
             norm_topk_prob=bool_key(text, "norm_topk_prob", default=True),
             num_hidden_layers=num_layers,
-            mlp_layer_types=_mlp_layer_types(text, family, num_layers),
+            mlp_layer_types=_mlp_layer_types(text, family, num_layers, defaulted),
             num_nextn_predict_layers=int_key(
                 text,
                 mtp_key or "num_nextn_predict_layers",
@@ -318,9 +322,11 @@ class Glm5NextConfig:
     def _check_router(self) -> None:
         """The group-limited top-k needs whole groups with room for the chosen experts."""
         if self.n_routed_experts % self.n_group:
+            experts = key_text("n_routed_experts", self.n_routed_experts, self.defaulted)
             raise ValueError(
-                f"config.json: n_routed_experts={self.n_routed_experts} is not divisible by "
-                f"n_group={self.n_group}; the router splits experts into equal groups"
+                f"config.json: {experts} is not divisible by "
+                f"{key_text('n_group', self.n_group, self.defaulted)}; the router splits experts "
+                "into equal groups"
             )
         if self.experts_per_group < ROUTER_TOP2:
             raise ValueError(

@@ -13,6 +13,7 @@ from megamoe.core.checkpoint.hf_config import (
     bool_key,
     int_key,
     is_int,
+    key_text,
     quantization_config,
     swiglu_act,
     text_config,
@@ -119,19 +120,21 @@ class Qwen4ExpConfig:
             key: int_key(text, key, model=MODEL_NAME, default=default)
             for key, default in defaults.items()
         }
+        defaulted: dict[str, Any] = {k: v for k, v in defaults.items() if text.get(k) is None}
         if sizes["num_experts_per_tok"] > sizes["num_experts"]:
+            top_k = key_text("num_experts_per_tok", sizes["num_experts_per_tok"], defaulted)
+            experts = key_text("num_experts", sizes["num_experts"], defaulted)
             raise ValueError(
-                f"config.json: num_experts_per_tok={sizes['num_experts_per_tok']} exceeds "
-                f"num_experts={sizes['num_experts']}; a token cannot pick more experts than exist"
+                f"config.json: {top_k} exceeds {experts}; a token cannot pick more experts than "
+                "exist"
             )
         # Qwen3-Next's layer rule; Qwen4Exp ignores these keys, as transformers does.
         qwen3_next = family == QWEN3_NEXT_MODEL_TYPE
         step = (
             int_key(text, "decoder_sparse_step", model=MODEL_NAME, default=1) if qwen3_next else 1
         )
-        mlp_only = _layer_list(text, sizes["num_hidden_layers"]) if qwen3_next else ()
+        mlp_only = _layer_list(text, sizes["num_hidden_layers"], defaulted) if qwen3_next else ()
         mtp_key = next((k for k in MTP_COUNT_KEYS if text.get(k) is not None), MTP_COUNT_KEYS[0])
-        defaulted: dict[str, Any] = {k: v for k, v in defaults.items() if text.get(k) is None}
         if text.get(mtp_key) is None:
             defaulted[mtp_key] = 0
         return cls(
@@ -207,14 +210,16 @@ class Qwen4ExpConfig:
         )
 
 
-def _layer_list(config: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
+def _layer_list(
+    config: Mapping[str, Any], num_layers: int, defaulted: Mapping[str, Any]
+) -> tuple[int, ...]:
     """``mlp_only_layers`` as sorted layer indices in ``[0, num_layers)``."""
     mlp_only = config.get("mlp_only_layers") or []
     if not isinstance(mlp_only, list | tuple) or not all(
         is_int(i) and 0 <= i < num_layers for i in mlp_only
     ):
         raise ValueError(
-            f"config.json: mlp_only_layers={mlp_only!r} must list layer indices in "
-            f"[0, num_hidden_layers={num_layers})"
+            f"config.json: mlp_only_layers={mlp_only!r} must list layer indices in [0, "
+            f"num_hidden_layers) ({key_text('num_hidden_layers', num_layers, defaulted)})"
         )
     return tuple(sorted(set(mlp_only)))
