@@ -189,11 +189,56 @@ def demo(session: nox.Session) -> None:
     session.run("megamoe", "demo", *session.posargs)
 
 
+def _wheel_of(package: str) -> Path | None:
+    """The newest ``nox -s build`` wheel of ``package`` in dist/, None without one."""
+    name = f"megamoe_{package}-*.whl"
+    wheels = sorted(DIST.glob(name), key=lambda w: w.stat().st_mtime)
+    return wheels[-1] if wheels else None
+
+
+def _install_for_gpu_tests(session: nox.Session) -> None:
+    """core, qwen4exp and glm5next into this machine's python3, without dependencies.
+
+    Offline, never touching torch: ``pip install --no-deps --no-index``, from this checkout
+    when hatchling (the build backend) is importable here (``--no-build-isolation``), else
+    from the wheels ``nox -s build`` wrote into dist/ (on a machine with an index; copy
+    dist/ along). So the GPU run discovers the adapters through the installed entry points
+    and runs the installed ``megamoe`` command, as users do.
+    """
+    pip = ("python3", "-m", "pip", "install", "--no-deps", "--no-index", "--force-reinstall")
+    has_hatchling = session.run(
+        "python3",
+        "-c",
+        "import importlib.util; print(importlib.util.find_spec('hatchling') is not None)",
+        silent=True,
+    )
+    if has_hatchling and has_hatchling.strip() == "True":
+        session.run(*pip, "--no-build-isolation", *(str(ROOT / PACKAGES[p]) for p in PACKAGES))
+        return
+    wheels = {p: _wheel_of(p) for p in PACKAGES}
+    missing = [p for p, wheel in wheels.items() if wheel is None]
+    if missing:
+        session.error(
+            "gpu_tests installs megamoe-core, -qwen4exp and -glm5next without dependencies "
+            "and without an index: this python3 lacks hatchling (to build them here) and "
+            f"dist/ lacks the wheels of {', '.join(missing)}: run `nox -s build` where a "
+            "package index is reachable and copy dist/ here, or python3 -m pip install "
+            "hatchling"
+        )
+    newest_source = max(f.stat().st_mtime for d in SOURCE_PATHS for f in (ROOT / d).rglob("*.py"))
+    stale = [w.name for w in wheels.values() if w is not None and w.stat().st_mtime < newest_source]
+    if stale:
+        session.warn(f"dist/ wheels older than the sources (rebuild: nox -s build): {stale}")
+    session.run(*pip, *(str(w) for w in wheels.values() if w is not None))
+
+
 @nox.session(venv_backend="none", default=False)
 def gpu_tests(session: nox.Session) -> None:
     """GPU tests (``-m gpu``) in this machine's own environment (its curated torch/CUDA).
 
-    Needs pytest there (``python3 -m pip install pytest``); says so before running.
+    Needs pytest there (``python3 -m pip install pytest``); says so before running. The
+    three packages are installed there first, without dependencies and offline
+    (``_install_for_gpu_tests``), and the tests import those installed copies.
     """
     missing = session.run(
         "python3",
@@ -207,10 +252,7 @@ def gpu_tests(session: nox.Session) -> None:
             f"gpu_tests runs in this machine's python3, which lacks {missing.strip()}: "
             f"python3 -m pip install {missing.strip()}"
         )
-    path = os.pathsep.join(
-        [*(str(ROOT / p) for p in SOURCE_PATHS), os.environ.get("PYTHONPATH", "")]
-    )
-    session.env["PYTHONPATH"] = path
+    _install_for_gpu_tests(session)
     session.run(
         "python3",
         "-m",
