@@ -60,7 +60,8 @@ def test_dense_by_decoder_sparse_step(tmp_path: Path, capsys: pytest.CaptureFixt
     assert_refused_everywhere(
         ckpt,
         rf"{DECODER}\.0\.mlp holds MoE tensors .* decoder layer 0 is dense by "
-        r"decoder_sparse_step=2 \(only every 2-th layer is sparse\).*set decoder_sparse_step "
+        r"decoder_sparse_step=2 \(only every layer whose number from 1 is a multiple of 2 is "
+        r"sparse\).*set decoder_sparse_step "
         r"to 1 in config\.json",
         capsys,
     )

@@ -244,7 +244,8 @@ class Glm5NextConfig:
                 f"first_k_dense_replace, absent from config.json: transformers' "
                 f"{self.model_type} default {first} makes the layers below it dense"
             )
-        return cause, f"set first_k_dense_replace to {index} or less in config.json"
+        most = f"{index} or less" if index else "0"
+        return cause, f"set first_k_dense_replace to {most} in config.json"
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> Glm5NextConfig:

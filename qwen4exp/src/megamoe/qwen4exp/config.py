@@ -204,8 +204,8 @@ class Qwen4ExpConfig:
                 f"remove {index} from mlp_only_layers in config.json",
             )
         return (
-            f"decoder_sparse_step={self.decoder_sparse_step} (only every "
-            f"{self.decoder_sparse_step}-th layer is sparse)",
+            f"decoder_sparse_step={self.decoder_sparse_step} (only every layer whose number "
+            f"from 1 is a multiple of {self.decoder_sparse_step} is sparse)",
             f"set decoder_sparse_step to 1 in config.json (or one that makes layer {index} sparse)",
         )
 
