@@ -1,0 +1,449 @@
+"""One Hopper rank's routed experts for a few tokens, at the weights' memory bandwidth.
+
+DeepGEMM's MegaMoE kernel costs 110-175 us per layer on one H200 rank whatever the batch
+(its dispatch, barriers and persistent schedule), more than reading a decode step's active
+experts takes. This path runs the same layer in four Triton launches over the experts' own
+resident tensors (no second copy of any weight):
+
+1. **route** (one program, plus row programs): the (token, slot) pairs of each local expert,
+   grouped by expert (counts, offsets, the pairs in expert order, the list of experts that
+   have any), and the tokens cast to FP8 E4M3 with a float32 scale per 128 columns, the
+   dispatch buffer's rule (skipped when the router already wrote them there);
+2. **l1** (a program per active expert and 64 intermediate columns): the gate and up rows
+   of the block-FP8 ``w13`` (stored with gate and up rows interleaved in groups of 8,
+   ``l1_order``) against the expert's tokens, 128x128 float32 block scales, SwiGLU with the
+   layer's clamp, times the top-k weight, cast to FP8 with a power-of-two scale per 64
+   columns (the Hopper kernel's rounding of its intermediate);
+3. **l2** (a program per active expert and ``BLOCK_N2`` hidden columns): ``w2`` against
+   those rows, one float32 row per (token, slot);
+4. **combine** (a program per token and 1024 columns): the slots' rows summed in slot order,
+   unused and other ranks' slots skipped, rounded to bf16.
+
+Every active expert's weights are read once per call, whatever the number of its tokens
+(its tokens are tiles of ``BLOCK_M`` rows inside one program). The numerics are the Hopper
+kernel's, so the reference backend's emulation (``emulate_kernel=True``) is the oracle of
+both; the GEMMs accumulate in another order than the kernel's (float32 sums, so outputs
+agree within the kernel's tolerance, not bit for bit). The result does not depend on which
+order the route step lists an expert's pairs in (each row's sums are its own), so a replay
+of a CUDA graph gives the bits of the eager call.
+
+The grid is fixed by the token count (the largest possible number of active experts), so a
+CUDA graph captures one launch sequence per token count; programs beyond the call's active
+experts return at once. No host sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from megamoe.core.kernels.launch import KernelLaunch, eager_key
+from megamoe.core.kernels.requant_codecs import ceil_ue8m0_exponent, ue8m0_reciprocal
+
+__all__ = ["SmallBatchExperts", "Tiles", "tiles_for"]
+
+SCALE_BLOCK = 128  # rows and columns per float32 weight scale; columns per token scale
+ACT_GROUP = 64  # columns per power-of-two scale of the intermediate (the Hopper kernel's)
+L1_GROUP = 8  # gate/up rows interleaved in groups of 8 (DeepGEMM's L1 order)
+BLOCK_N1 = ACT_GROUP  # intermediate columns per l1 program: one act scale group
+ROUTE_BLOCK = 1024  # pairs per step of the route program
+CAST_ROWS = 4  # token rows per cast program of the route launch
+COMBINE_BLOCK = 1024  # hidden columns per combine program
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn magnitude
+TOKEN_AMAX_FLOOR = 1e-10  # the dispatch rule's amax floor (DISPATCH_AMAX_FLOOR)
+ACT_AMAX_FLOOR = 1e-4  # the intermediate's amax floor (the Hopper kernel's, AMAX_FLOOR)
+_CAST_ROWS = tl.constexpr(CAST_ROWS)
+_ROUTE_BLOCK = tl.constexpr(ROUTE_BLOCK)
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
+_E4M3_RECIPROCAL = tl.constexpr(1.0 / E4M3_MAX)
+_TOKEN_AMAX_FLOOR = tl.constexpr(TOKEN_AMAX_FLOOR)
+_ACT_AMAX_FLOOR = tl.constexpr(ACT_AMAX_FLOOR)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One call size's tile shape: tokens per tile, l2's output columns, warps and stages."""
+
+    block_m: int
+    block_n2: int
+    warps: int
+    stages: int
+    one_dot: bool = True
+
+
+def tiles_for(tokens: int) -> Tiles:
+    """The tile shape for a call of ``tokens`` tokens (measured on the H200, docs/gpu.md).
+
+    Decode sizes put one or two tokens on most experts: 16-token tiles waste least. From 512
+    tokens an expert holds tens of tokens and 64-token tiles read its weights fewer times
+    from L2.
+    """
+    if tokens < 512:
+        return Tiles(block_m=16, block_n2=128, warps=4, stages=4)
+    return Tiles(block_m=64, block_n2=128, warps=8, stages=4)
+
+
+@triton.jit
+def _route_kernel(
+    ids_ptr: tl.tensor,
+    table_ptr: tl.tensor,
+    x_ptr: tl.tensor,
+    x_fp8_ptr: tl.tensor,
+    x_scale_ptr: tl.tensor,
+    num_pairs: int,
+    num_tokens: int,
+    first_expert: int,
+    NUM_EXPERTS: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    CAST: tl.constexpr,
+) -> None:
+    """Program 0 groups the pairs by expert; programs 1.. cast ``CAST_ROWS`` tokens each.
+
+    ``table``: counts (E), offsets (E), active experts (E), their number (1), each pair's
+    rank within its expert (pairs), the pairs in expert order (pairs); int32.
+    """
+    pid = tl.program_id(0)
+    if pid > 0:
+        if CAST:
+            rows = (pid - 1) * _CAST_ROWS + tl.arange(0, _CAST_ROWS)
+            rows_ok = rows < num_tokens
+            for kb in range(HIDDEN // 128):
+                cols = kb * 128 + tl.arange(0, 128)
+                at = rows[:, None].to(tl.int64) * HIDDEN + cols[None, :]
+                x = tl.load(x_ptr + at, mask=rows_ok[:, None], other=0.0).to(tl.float32)
+                amax = tl.maximum(tl.max(tl.abs(x), axis=1), _TOKEN_AMAX_FLOOR)
+                scale = tl.math.div_rn(amax, _E4M3_MAX)
+                x_fp8 = (x * tl.math.div_rn(1.0, scale)[:, None]).to(tl.float8e4nv)
+                tl.store(x_fp8_ptr + at, x_fp8, mask=rows_ok[:, None])
+                tl.store(x_scale_ptr + rows * (HIDDEN // 128) + kb, scale, mask=rows_ok)
+        return
+    counts_ptr = table_ptr
+    offsets_ptr = table_ptr + NUM_EXPERTS
+    active_ptr = table_ptr + 2 * NUM_EXPERTS
+    ranks_ptr = table_ptr + 3 * NUM_EXPERTS + 1
+    sorted_ptr = ranks_ptr + num_pairs
+    experts = tl.arange(0, EXPERTS_POW2)
+    experts_ok = experts < NUM_EXPERTS
+    tl.store(counts_ptr + experts, tl.zeros([EXPERTS_POW2], tl.int32), mask=experts_ok)
+    tl.debug_barrier()
+    for start in range(0, num_pairs, _ROUTE_BLOCK):
+        pairs = start + tl.arange(0, _ROUTE_BLOCK)
+        local = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32)
+        local -= first_expert
+        ok = (pairs < num_pairs) & (local >= 0) & (local < NUM_EXPERTS)
+        rank = tl.atomic_add(counts_ptr + local, 1, mask=ok)
+        tl.store(ranks_ptr + pairs, rank, mask=ok)
+    tl.debug_barrier()
+    counts = tl.load(counts_ptr + experts, mask=experts_ok, other=0)
+    offsets = tl.cumsum(counts, 0) - counts
+    tl.store(offsets_ptr + experts, offsets, mask=experts_ok)
+    used = counts > 0
+    tl.store(active_ptr + tl.cumsum(used.to(tl.int32), 0) - 1, experts, mask=used)
+    tl.store(active_ptr + NUM_EXPERTS, tl.sum(used.to(tl.int32), 0))
+    tl.debug_barrier()
+    for start in range(0, num_pairs, _ROUTE_BLOCK):
+        pairs = start + tl.arange(0, _ROUTE_BLOCK)
+        local = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32)
+        local -= first_expert
+        ok = (pairs < num_pairs) & (local >= 0) & (local < NUM_EXPERTS)
+        rank = tl.load(ranks_ptr + pairs, mask=ok, other=0)
+        offset = tl.load(offsets_ptr + local, mask=ok, other=0)
+        tl.store(sorted_ptr + offset + rank, pairs, mask=ok)
+
+
+@triton.jit
+def _l1_kernel(
+    x_fp8_ptr: tl.tensor,
+    x_scale_ptr: tl.tensor,
+    w13_ptr: tl.tensor,
+    w13_scale_ptr: tl.tensor,
+    weights_ptr: tl.tensor,
+    table_ptr: tl.tensor,
+    act_ptr: tl.tensor,
+    act_scale_ptr: tl.tensor,
+    num_pairs: int,
+    NUM_EXPERTS: tl.constexpr,
+    TOP_K: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    INTERMEDIATE: tl.constexpr,
+    CLAMP: tl.constexpr,
+    LIMIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    ONE_DOT: tl.constexpr,
+) -> None:
+    """Active expert ``program_id(0)``'s 64 intermediate columns ``program_id(1)``."""
+    slot = tl.program_id(0)
+    if slot >= tl.load(table_ptr + 3 * NUM_EXPERTS):
+        return
+    tile = tl.program_id(1)
+    expert = tl.load(table_ptr + 2 * NUM_EXPERTS + slot)
+    count = tl.load(table_ptr + expert)
+    first = tl.load(table_ptr + NUM_EXPERTS + expert)
+    sorted_ptr = table_ptr + 3 * NUM_EXPERTS + 1 + num_pairs
+    KB: tl.constexpr = HIDDEN // 128
+    n = tile * 64 + tl.arange(0, 64)
+    gate_rows = (n // 8) * 16 + n % 8
+    up_rows = gate_rows + 8
+    k = tl.arange(0, 128)
+    w_base = w13_ptr + expert.to(tl.int64) * (2 * INTERMEDIATE * HIDDEN)
+    scale_base = w13_scale_ptr + expert.to(tl.int64) * (2 * INTERMEDIATE // 128) * KB
+    gate_scales = scale_base + ((tile * 64) // 128) * KB
+    up_scales = scale_base + ((INTERMEDIATE + tile * 64) // 128) * KB
+    for m0 in range(0, count, BLOCK_M):
+        m = m0 + tl.arange(0, BLOCK_M)
+        m_ok = m < count
+        pair = tl.load(sorted_ptr + first + m, mask=m_ok, other=0)
+        token = (pair // TOP_K).to(tl.int64)
+        if ONE_DOT:
+            rows = tile * 128 + tl.arange(0, 128)
+            is_gate = (tl.arange(0, 128) // 8) % 2 == 0
+            acc = tl.zeros([128, BLOCK_M], tl.float32)
+            for kb in range(KB):
+                cols = kb * 128 + k
+                w = tl.load(w_base + rows[:, None] * HIDDEN + cols[None, :])
+                x_at = x_fp8_ptr + token[:, None] * HIDDEN + cols[None, :]
+                x_t = tl.trans(tl.load(x_at, mask=m_ok[:, None], other=0.0))
+                x_scale = tl.load(x_scale_ptr + token * KB + kb, mask=m_ok, other=0.0)
+                w_scale = tl.where(is_gate, tl.load(gate_scales + kb), tl.load(up_scales + kb))
+                acc += tl.dot(w, x_t) * (w_scale[:, None] * x_scale[None, :])
+            acc = tl.permute(tl.reshape(acc, (8, 2, 8, BLOCK_M)), (0, 2, 3, 1))
+            gate, up = tl.split(acc)
+            gate = tl.reshape(gate, (64, BLOCK_M))
+            up = tl.reshape(up, (64, BLOCK_M))
+        else:
+            gate = tl.zeros([64, BLOCK_M], tl.float32)
+            up = tl.zeros([64, BLOCK_M], tl.float32)
+            for kb in range(KB):
+                cols = kb * 128 + k
+                w_gate = tl.load(w_base + gate_rows[:, None] * HIDDEN + cols[None, :])
+                w_up = tl.load(w_base + up_rows[:, None] * HIDDEN + cols[None, :])
+                x_at = x_fp8_ptr + token[:, None] * HIDDEN + cols[None, :]
+                x_t = tl.trans(tl.load(x_at, mask=m_ok[:, None], other=0.0))
+                x_scale = tl.load(x_scale_ptr + token * KB + kb, mask=m_ok, other=0.0)
+                gate += tl.dot(w_gate, x_t) * (x_scale[None, :] * tl.load(gate_scales + kb))
+                up += tl.dot(w_up, x_t) * (x_scale[None, :] * tl.load(up_scales + kb))
+        if CLAMP:
+            gate = tl.minimum(gate, LIMIT)
+            up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+        act = tl.math.div_rn(gate, 1.0 + libdevice.exp(-gate)) * up
+        act *= tl.load(weights_ptr + pair, mask=m_ok, other=0.0)[None, :]
+        amax = tl.maximum(tl.max(tl.abs(act), axis=0), _ACT_AMAX_FLOOR)
+        exponent = ceil_ue8m0_exponent(amax * _E4M3_RECIPROCAL)
+        act_fp8 = (act * ue8m0_reciprocal(exponent)[None, :]).to(tl.float8e4nv)
+        at = pair[None, :].to(tl.int64) * INTERMEDIATE + n[:, None]
+        tl.store(act_ptr + at, act_fp8, mask=m_ok[None, :])
+        act_scale = (exponent << 23).to(tl.float32, bitcast=True)
+        tl.store(act_scale_ptr + pair * (INTERMEDIATE // 64) + tile, act_scale, mask=m_ok)
+
+
+@triton.jit
+def _l2_kernel(
+    act_ptr: tl.tensor,
+    act_scale_ptr: tl.tensor,
+    w2_ptr: tl.tensor,
+    w2_scale_ptr: tl.tensor,
+    table_ptr: tl.tensor,
+    y_ptr: tl.tensor,
+    num_pairs: int,
+    NUM_EXPERTS: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    INTERMEDIATE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+) -> None:
+    """Active expert ``program_id(0)``'s ``BLOCK_N`` output columns ``program_id(1)``."""
+    slot = tl.program_id(0)
+    if slot >= tl.load(table_ptr + 3 * NUM_EXPERTS):
+        return
+    tile = tl.program_id(1)
+    expert = tl.load(table_ptr + 2 * NUM_EXPERTS + slot)
+    count = tl.load(table_ptr + expert)
+    first = tl.load(table_ptr + NUM_EXPERTS + expert)
+    sorted_ptr = table_ptr + 3 * NUM_EXPERTS + 1 + num_pairs
+    KS: tl.constexpr = INTERMEDIATE // 128
+    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, 64)
+    w_base = w2_ptr + expert.to(tl.int64) * (HIDDEN * INTERMEDIATE)
+    scales = w2_scale_ptr + expert.to(tl.int64) * (HIDDEN // 128) * KS
+    scales += ((tile * BLOCK_N) // 128) * KS
+    for m0 in range(0, count, BLOCK_M):
+        m = m0 + tl.arange(0, BLOCK_M)
+        m_ok = m < count
+        pair = tl.load(sorted_ptr + first + m, mask=m_ok, other=0).to(tl.int64)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for kb in range(INTERMEDIATE // 64):
+            cols = kb * 64 + k
+            act_at = act_ptr + pair[:, None] * INTERMEDIATE + cols[None, :]
+            act_t = tl.trans(tl.load(act_at, mask=m_ok[:, None], other=0.0))
+            act_scale = tl.load(act_scale_ptr + pair * (INTERMEDIATE // 64) + kb, mask=m_ok)
+            w = tl.load(w_base + n[:, None] * INTERMEDIATE + cols[None, :])
+            acc += tl.dot(w, act_t) * (act_scale[None, :] * tl.load(scales + kb // 2))
+        tl.store(y_ptr + pair[None, :] * HIDDEN + n[:, None], acc, mask=m_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(
+    y_ptr: tl.tensor,
+    ids_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    first_expert: int,
+    NUM_EXPERTS: tl.constexpr,
+    TOP_K: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK: tl.constexpr,
+) -> None:
+    """Token ``program_id(0)``'s columns ``program_id(1) * BLOCK ..``: its slots, in order."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cols_ok = cols < HIDDEN
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(TOP_K):
+        local = tl.load(ids_ptr + token * TOP_K + j).to(tl.int32) - first_expert
+        mine = (local >= 0) & (local < NUM_EXPERTS)
+        acc += tl.load(y_ptr + (token * TOP_K + j) * HIDDEN + cols, mask=cols_ok & mine, other=0.0)
+    tl.store(out_ptr + token * HIDDEN + cols, acc.to(tl.bfloat16), mask=cols_ok)
+
+
+_route = KernelLaunch(_route_kernel, runtime_args=8)
+_l1 = KernelLaunch(_l1_kernel, runtime_args=9)
+_l2 = KernelLaunch(_l2_kernel, runtime_args=7)
+_combine = KernelLaunch(_combine_kernel, runtime_args=4)
+
+
+class SmallBatchExperts:
+    """The four launches of one layer shape and the scratch they share, for up to ``max_tokens``.
+
+    The scratch (the grouping table, the tokens in FP8, the intermediate in FP8, a float32
+    row per (token, slot)) holds activations only; layers of one shape on one device share
+    one (``megamoe.core.backends.small_batch``), as they share the kernel's symmetric buffer.
+
+    Args:
+        num_experts: this rank's routed experts (the first dimension of the weights).
+        first_expert: the physical id of local expert 0.
+        top_k: slots per token.
+        hidden: H, a multiple of 128.
+        intermediate: I, a multiple of 128.
+        swiglu_limit: the SwiGLU clamp, None for none.
+        max_tokens: the most tokens one call takes.
+        device: a CUDA device.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_experts: int,
+        first_expert: int,
+        top_k: int,
+        hidden: int,
+        intermediate: int,
+        swiglu_limit: float | None,
+        max_tokens: int,
+        device: torch.device,
+    ) -> None:
+        if hidden % SCALE_BLOCK or intermediate % SCALE_BLOCK:
+            raise ValueError(
+                f"small-batch experts: hidden {hidden} and intermediate {intermediate} must be "
+                f"multiples of {SCALE_BLOCK} (the block scales' size)"
+            )
+        self.num_experts, self.first_expert, self.top_k = num_experts, first_expert, top_k
+        self.hidden, self.intermediate = hidden, intermediate
+        self.swiglu_limit = swiglu_limit
+        self.max_tokens = max_tokens
+        pairs = max_tokens * top_k
+        self._table = torch.empty(3 * num_experts + 1 + 2 * pairs, dtype=torch.int32, device=device)
+        self._x_fp8 = torch.empty(max_tokens, hidden, dtype=torch.float8_e4m3fn, device=device)
+        self._x_scale = torch.empty(
+            max_tokens, hidden // SCALE_BLOCK, dtype=torch.float32, device=device
+        )
+        self._act = torch.empty(pairs, intermediate, dtype=torch.float8_e4m3fn, device=device)
+        self._act_scale = torch.empty(
+            pairs, intermediate // ACT_GROUP, dtype=torch.float32, device=device
+        )
+        self._rows = torch.empty(pairs, hidden, dtype=torch.float32, device=device)
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of the scratch tensors (activations only)."""
+        parts = (self._table, self._x_fp8, self._x_scale, self._act, self._act_scale, self._rows)
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    def forward(
+        self,
+        weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        hidden_states: torch.Tensor,
+        hidden_scale: torch.Tensor | None,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """The routed experts' output for ``tokens`` tokens, (tokens, H) bfloat16.
+
+        Args:
+            weights: ``w13`` (E, 2I, H) float8_e4m3fn in L1 order (gate/up groups of 8),
+                its scales (E, 2I/128, H/128) float32 in ``[gate | up]`` order, ``w2``
+                (E, H, I) float8_e4m3fn and its scales (E, H/128, I/128) float32.
+            hidden_states: (tokens, H) bf16, or FP8 E4M3 already cast by the dispatch rule.
+            hidden_scale: None for bf16 tokens; the FP8 tokens' (tokens, H/128) float32.
+            topk_weights: (tokens, top_k) float32, contiguous.
+            topk_ids: (tokens, top_k) int32 or int64 physical expert ids, contiguous; -1 and
+                other ranks' experts are skipped.
+
+        Raises:
+            ValueError: more tokens than ``max_tokens``.
+        """
+        tokens = topk_ids.shape[0]
+        if tokens > self.max_tokens:
+            raise ValueError(
+                f"small-batch experts: {tokens} tokens exceed the {self.max_tokens} its scratch "
+                "holds; calls of more tokens take the MegaMoE kernel"
+            )
+        out = torch.empty(tokens, self.hidden, dtype=torch.bfloat16, device=topk_ids.device)
+        if tokens == 0:
+            return out
+        w13, w13_scale, w2, w2_scale = weights
+        pairs, index = tokens * self.top_k, topk_ids.device.index
+        tiles = tiles_for(tokens)
+        cast = hidden_scale is None
+        x_fp8, x_scale = self._x_fp8, self._x_scale
+        if hidden_scale is not None:  # the router wrote FP8 tokens by the same rule
+            x_fp8, x_scale = hidden_states, hidden_scale
+        experts_pow2 = triton.next_power_of_2(self.num_experts)
+        route_c = (self.num_experts, experts_pow2, self.hidden, cast)
+        grid = (1 + (triton.cdiv(tokens, CAST_ROWS) if cast else 0), 1, 1)
+        _route(
+            eager_key((route_c, topk_ids.dtype, hidden_states.dtype), topk_ids, hidden_states),
+            grid, index,
+            (topk_ids, self._table, hidden_states, self._x_fp8, self._x_scale, pairs, tokens,
+             self.first_expert),
+            route_c, 4,
+        )  # fmt: skip
+        active = min(self.num_experts, pairs)
+        limit = self.swiglu_limit
+        l1_c = (
+            self.num_experts, self.top_k, self.hidden, self.intermediate, limit is not None,
+            0.0 if limit is None else limit, tiles.block_m, tiles.one_dot,
+        )  # fmt: skip
+        l1_inputs = (x_fp8, x_scale, w13, w13_scale, topk_weights)
+        _l1(
+            eager_key((l1_c, tiles), *l1_inputs),
+            (active, self.intermediate // BLOCK_N1, 1), index,
+            (*l1_inputs, self._table, self._act, self._act_scale, pairs),
+            l1_c, tiles.warps, tiles.stages,
+        )  # fmt: skip
+        l2_c = (self.num_experts, self.hidden, self.intermediate, tiles.block_m, tiles.block_n2)
+        _l2(
+            eager_key((l2_c, tiles), w2, w2_scale),
+            (active, self.hidden // tiles.block_n2, 1), index,
+            (self._act, self._act_scale, w2, w2_scale, self._table, self._rows, pairs),
+            l2_c, tiles.warps, tiles.stages,
+        )  # fmt: skip
+        combine_c = (self.num_experts, self.top_k, self.hidden, COMBINE_BLOCK)
+        _combine(
+            eager_key(combine_c, topk_ids), (tokens, triton.cdiv(self.hidden, COMBINE_BLOCK), 1),
+            index, (self._rows, topk_ids, out, self.first_expert), combine_c, 4,
+        )  # fmt: skip
+        return out
