@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 
+from megamoe.core.backends import small_batch
 from megamoe.core.backends.deepgemm_layout import (
     KIND_BF16,
     KIND_FP8XFP4,
@@ -289,6 +290,8 @@ class DeepGemmBackend(ExpertsBackend):
         self._buffer_check: tuple[KernelTag, dict[str, Any]] | None = None  # its tag, by name
         self._clamp: dict[str, float] = {}  # activation_clamp where the experts clamp
         self._dispatch: DispatchBuffer | None = None  # the Hopper buffer's inputs, if as known
+        self._small: Any = None  # the small-batch kernels (SmallBatchExperts), where they run
+        self._small_tokens = 0  # calls of up to this many tokens take them
 
     @classmethod
     def unsupported_reason(cls, run_format: WeightFormat, device: torch.device) -> str | None:
@@ -362,6 +365,23 @@ class DeepGemmBackend(ExpertsBackend):
             check_sm90_sizes(label, experts.hidden_size, experts.intermediate_size)
         check_group(experts.process_group)
 
+    def small_batch_unavailable(self, experts: MegaMoEExperts) -> str | None:
+        """Why the small-batch kernels cannot run this layer (``backends.small_batch``)."""
+        try:
+            _, kind = resolve_kernel(experts.weight_format, experts.device)
+        except (CapabilityError, ImportError) as exc:
+            return str(exc)
+        return small_batch.unavailable_reason(experts, kind)
+
+    def path_for(self, experts: MegaMoEExperts, tokens: int) -> str:
+        """``"small_batch"`` for the calls the small-batch kernels take, else ``"megamoe"``."""
+        if self._kernel is None:  # before prepare: the rule the first prepare applies
+            _, kind = resolve_kernel(experts.weight_format, experts.device)
+            limit = small_batch.small_batch_tokens(experts, kind)
+        else:
+            limit = self._small_tokens
+        return small_batch.PATH_SMALL_BATCH if tokens <= limit else small_batch.PATH_MEGAMOE
+
     def l1_row_order(self, experts: MegaMoEExperts) -> L1RowOrder:
         """Gate and up rows interleaved in groups of 8: what every MegaMoE kernel reads."""
         del experts
@@ -411,6 +431,10 @@ class DeepGemmBackend(ExpertsBackend):
             kind == KIND_SM90 and one_rank and takes(module.fp8_mega_moe, BOUND_KEYWORD)
         )
         self._dispatch = _sm90_dispatch(self._entry.buffer, experts) if kind == KIND_SM90 else None
+        if self._small is None:  # it reads the experts' tensors: a reload needs nothing here
+            self._small_tokens = small_batch.small_batch_tokens(experts, kind)
+            if self._small_tokens:
+                self._small = small_batch.shared_kernels(experts, self._small_tokens)
 
     def _buffer(self, module: ModuleType, kind: str, experts: MegaMoEExperts) -> SymmBufferEntry:
         """The cached symmetric buffer for this layer's shape and kind."""
@@ -487,6 +511,11 @@ class DeepGemmBackend(ExpertsBackend):
             FormatMismatchError: the buffer or kernel tensors carry another format's tag.
         """
         kernel, layout = self._checked(experts, hidden_states.shape[0])
+        if hidden_states.shape[0] <= self._small_tokens:
+            return _launch_on(
+                experts.device, self._small.forward, _resident(experts), hidden_states.contiguous(),
+                None, _contiguous_as(topk_weights, torch.float32), topk_ids.contiguous(),
+            )  # fmt: skip
         buf = self._entry.buffer  # type: ignore[union-attr]  # _checked: prepared
         return _launch_on(
             experts.device, self._launch, kernel, layout, buf, experts.hidden_size,
@@ -503,6 +532,12 @@ class DeepGemmBackend(ExpertsBackend):
         if self._dispatch is None:
             return super().forward_dispatched(experts, tokens)
         (module, _), layout = self._checked(experts, tokens)
+        if tokens <= self._small_tokens:
+            rows = self._dispatch
+            return _launch_on(
+                experts.device, self._small.forward, _resident(experts), rows.x[:tokens],
+                rows.x_scale[:tokens], rows.topk_weights[:tokens], rows.topk_ids[:tokens],
+            )  # fmt: skip
         return _launch_on(experts.device, self._launch_dispatched, module, layout, experts, tokens)
 
     def _launch_dispatched(
@@ -555,6 +590,17 @@ class DeepGemmBackend(ExpertsBackend):
         else:
             module.fp8_fp4_mega_moe(y, (l1w, l1s), (l2w, l2s), buf, **clamp, **shared)
         return y
+
+
+def _resident(
+    experts: MegaMoEExperts,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The experts' own block-FP8 tensors, as the small-batch kernels read them."""
+    params = experts.kernel_params
+    return (
+        params["w13_weight"].data, params["w13_weight_scale"].data,
+        params["w2_weight"].data, params["w2_weight_scale"].data,
+    )  # fmt: skip
 
 
 def _write_slots(

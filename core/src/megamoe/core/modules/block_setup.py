@@ -52,6 +52,9 @@ class BlockOptions(TypedDict, total=False):
             run format; None derives it from ``backend`` and ``device``.
         reload_staging_bytes: the most a reload of the routed experts stages before it
             writes in place (``megamoe.core.loading.expert_loading``); None: 1/16 of their bytes.
+        experts_path: ``"auto"`` (default), ``"small_batch"`` or ``"megamoe"``: which path
+            runs the routed experts on one Hopper rank, by the call's token count or forced
+            (``megamoe.core.backends.small_batch``).
     """
 
     moe_format: WeightFormat | str | None
@@ -62,6 +65,7 @@ class BlockOptions(TypedDict, total=False):
     emulate_kernel: bool
     arch: str | None
     reload_staging_bytes: int | None
+    experts_path: str
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,7 @@ class ExpertPlan:
         emulate_kernel: the ``emulate_kernel`` option.
         swiglu_limit: the model's SwiGLU clamp (``MoEConfig.swiglu_limit``), None for none.
         reload_staging_bytes: the ``reload_staging_bytes`` option.
+        experts_path: the ``experts_path`` option.
         process_group: the expert-parallel group.
     """
 
@@ -106,6 +111,7 @@ class ExpertPlan:
     emulate_kernel: bool
     swiglu_limit: float | None = None
     reload_staging_bytes: int | None = None
+    experts_path: str = "auto"
     process_group: dist.ProcessGroup | None = field(default=None, compare=False)
 
     @property
@@ -141,6 +147,7 @@ class ExpertPlan:
             emulate_kernel=self.emulate_kernel,
             swiglu_limit=self.swiglu_limit,
             reload_staging_bytes=self.reload_staging_bytes,
+            experts_path=self.experts_path,
             **extra,
         )
 
@@ -164,6 +171,7 @@ def plan_experts(
     emulate_kernel: bool = False,
     arch: str | None = None,
     reload_staging_bytes: int | None = None,
+    experts_path: str = "auto",
 ) -> ExpertPlan:
     """Check the settings of one MoE block and decide its experts' split and formats.
 
@@ -184,6 +192,7 @@ def plan_experts(
         emulate_kernel: see ``BlockOptions``.
         arch: see ``BlockOptions``.
         reload_staging_bytes: see ``BlockOptions``.
+        experts_path: see ``BlockOptions``.
 
     Returns:
         The plan.
@@ -238,6 +247,7 @@ def plan_experts(
         emulate_kernel=emulate_kernel,
         swiglu_limit=config.swiglu_limit,
         reload_staging_bytes=reload_staging_bytes,
+        experts_path=experts_path,
         process_group=parallel.ep_group,
     )
 

@@ -13,13 +13,14 @@ import torch
 import torch.distributed as dist
 
 from megamoe.core.checkpoint.expert_names import projection_specs
-from megamoe.core.errors import MissingExpertsError, format_keys
+from megamoe.core.errors import CapabilityError, MissingExpertsError, format_keys
 from megamoe.core.loading.expert_layout import ExpertLayout
 from megamoe.core.loading.expert_loading import ExpertLoading
 from megamoe.core.loading.pairing import SHARD_IDS, SHARD_TO_PROJ
 from megamoe.core.loading.tagging import KernelTag, check_tags, tag
 from megamoe.core.modules import experts_op
 from megamoe.core.modules.backend_select import layer_backend
+from megamoe.core.modules.experts_backend import PATH_SMALL_BATCH, check_experts_path
 from megamoe.core.modules.fixed_module import FixedModule
 from megamoe.core.numerics.dispatch import DispatchBuffer
 from megamoe.core.numerics.formats import BLOCK_FP8_DEFAULT, WeightFormat, check_run_format
@@ -67,13 +68,19 @@ class MegaMoEExperts(ExpertLoading, FixedModule):
             ``megamoe.core.numerics.swiglu``) in routed and fused shared experts; None for none.
         reload_staging_bytes: the most a reload stages before it writes in place (see
             ``megamoe.core.loading.expert_loading``); None: 1/16 of the kernel tensors' bytes.
+        experts_path: ``"auto"`` (the default): on one Hopper rank, calls of few tokens run
+            the small-batch kernels and the rest MegaMoE, by a rule of the token count and
+            the layer's shape (``megamoe.core.backends.small_batch``); ``"small_batch"``
+            forces those kernels for every call (an error where they cannot run);
+            ``"megamoe"`` forces the MegaMoE kernel.
 
     Its kernel tensors keep their format and device through ``.to()`` and the like, and it
     refuses ``load_state_dict()``, copies and pickling (``megamoe.core.modules.fixed_module``).
 
     Raises:
         ValueError: a size or placement that cannot run (before anything is allocated).
-        CapabilityError: an explicit backend that cannot run the run format here.
+        CapabilityError: an explicit backend that cannot run the run format here, or
+            ``experts_path="small_batch"`` where the small-batch path cannot run.
     """
 
     def __init__(
@@ -97,6 +104,7 @@ class MegaMoEExperts(ExpertLoading, FixedModule):
         emulate_kernel: bool = False,
         swiglu_limit: float | None = None,
         reload_staging_bytes: int | None = None,
+        experts_path: str = "auto",
     ) -> None:
         super().__init__()
         self.prefix, self.emulate_kernel, self.process_group = prefix, emulate_kernel, process_group
@@ -116,7 +124,15 @@ class MegaMoEExperts(ExpertLoading, FixedModule):
         self.top_k, self.hidden_size, self.intermediate_size = top_k, hidden_size, intermediate_size
         self.num_shared_experts, self.max_num_tokens = num_shared_experts, max_num_tokens
         self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.experts_path = check_experts_path(experts_path, prefix or type(self).__name__)
         self.backend = layer_backend(backend, self)
+        unavailable = self.backend.small_batch_unavailable(self)
+        if experts_path == PATH_SMALL_BATCH and unavailable is not None:
+            raise CapabilityError(
+                f"{self.layout.label}: experts_path='small_batch' cannot run here: "
+                f"{unavailable}; use experts_path='auto' (the small-batch path where it runs) "
+                "or 'megamoe'"
+            )
         self.l1_order = self.backend.l1_row_order(self)
         self.kernel_tag = KernelTag.for_format(
             self.weight_format, num_shared_experts, self.swiglu_limit, self.l1_order.group
@@ -161,7 +177,8 @@ class MegaMoEExperts(ExpertLoading, FixedModule):
             f"experts {self.experts_start_idx}..{self.experts_start_idx + self.num_local_experts}"
             f" of {self.num_experts}, {self.checkpoint_format.value}->{self.weight_format.value}, "
             f"H={self.hidden_size}, I={self.intermediate_size}, shared={self.num_shared_experts}, "
-            f"swiglu_limit={self.swiglu_limit}, backend={self.backend.name}"
+            f"swiglu_limit={self.swiglu_limit}, backend={self.backend.name}, "
+            f"experts_path={self.experts_path}"
         )
 
     def map_global_expert_id(self, expert_id: int) -> list[int]:

@@ -15,6 +15,26 @@ from megamoe.core.numerics.formats import WeightFormat
 if TYPE_CHECKING:
     from megamoe.core.modules.experts import MegaMoEExperts
 
+# ``experts_path``: which of a backend's paths runs a call (``backends.small_batch``).
+PATH_AUTO = "auto"  # the backend's rule, by the call's token count
+PATH_SMALL_BATCH = "small_batch"  # the small-batch kernels for every call they can take
+PATH_MEGAMOE = "megamoe"  # the MegaMoE kernel for every call
+EXPERTS_PATHS = (PATH_AUTO, PATH_SMALL_BATCH, PATH_MEGAMOE)
+
+
+def check_experts_path(path: str, owner: str) -> str:
+    """``path`` if it is one of :data:`EXPERTS_PATHS`.
+
+    Raises:
+        ValueError: names ``owner``, the value and the choices.
+    """
+    if path not in EXPERTS_PATHS:
+        raise ValueError(
+            f"{owner}: experts_path={path!r}; expected one of {', '.join(EXPERTS_PATHS)} "
+            "('auto': the small-batch kernels for the call sizes where they are faster)"
+        )
+    return path
+
 
 class ExpertsBackend(abc.ABC):
     """Runs a ``MegaMoEExperts`` module's forward from its canonical kernel-form tensors.
@@ -92,6 +112,23 @@ class ExpertsBackend(abc.ABC):
     @abc.abstractmethod
     def prepare(self, experts: MegaMoEExperts, local_ids: Sequence[int]) -> None:
         """Bring the backend's view of the given local experts up to date (``finalize()``)."""
+
+    def small_batch_unavailable(self, experts: MegaMoEExperts) -> str | None:
+        """Why this backend has no small-batch path for the layer; None where it has one.
+
+        Asked by the experts module when ``experts_path="small_batch"`` forces that path.
+        The default: it has none.
+        """
+        del experts
+        return f"the {self.name} experts backend has no small-batch path"
+
+    def path_for(self, experts: MegaMoEExperts, tokens: int) -> str:
+        """Which path a forward of ``tokens`` tokens takes, by name (for ``inspect``/``verify``).
+
+        The default: the backend's name, its only path.
+        """
+        del experts, tokens
+        return self.name
 
     def dispatch_buffer(self, experts: MegaMoEExperts) -> DispatchBuffer | None:
         """The input buffer a router kernel may fill for :meth:`forward_dispatched`.

@@ -1,0 +1,181 @@
+"""Which path runs a Hopper layer's routed experts, call by call: small-batch or MegaMoE.
+
+On one Hopper rank the DeepGEMM backend has two paths over the same resident kernel tensors:
+the MegaMoE kernel, and the small-batch kernels (``megamoe.core.kernels.experts_small_batch``:
+four Triton launches that read each active expert's weights once). MegaMoE pays a fixed cost
+per call that grows with the layer's experts; the small-batch path pays little per call but
+streams weights slower and, past decode sizes, computes less efficiently. Both are modelled
+as ``fixed + per_expert * E + active bytes / bandwidth + FLOPs / throughput``
+(:class:`PathCost`, constants measured on the H200, ``docs/gpu.md``), with the active experts
+expected under uniform routing. A layer takes the small-batch path for every call of up to
+:func:`crossover_tokens` tokens, the first token count at which its model stops predicting
+it faster; so a fixed token count always takes one path and a CUDA graph captures one.
+
+``experts_path`` (an option of ``MegaMoEExperts`` and of both blocks) forces either path:
+``"small_batch"`` for every call the layer's ``max_num_tokens`` allows, ``"megamoe"`` for
+none; ``"auto"`` follows the rule. The small-batch path runs one rank (on several, MegaMoE's
+dispatch is the communication), block-FP8 on Hopper, without fused shared experts.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from megamoe.core.backends.deepgemm_layout import KIND_SM90
+from megamoe.core.modules.experts_backend import PATH_AUTO, PATH_MEGAMOE, PATH_SMALL_BATCH
+
+if TYPE_CHECKING:
+    from megamoe.core.modules.experts import MegaMoEExperts
+
+KERNEL_MODULE = "megamoe.core.kernels.experts_small_batch"  # imported on first use (Triton)
+
+
+@dataclass(frozen=True)
+class PathCost:
+    """A path's predicted time per call, in microseconds, from the layer's work.
+
+    Attributes:
+        fixed_us: per call, whatever the layer.
+        per_expert_us: per local expert of the layer, per call.
+        bandwidth: bytes per second at which the active experts' weights stream.
+        flops: FLOP/s of the GEMMs beyond what streaming the weights hides.
+    """
+
+    fixed_us: float
+    per_expert_us: float
+    bandwidth: float
+    flops: float
+
+
+# Fitted to both real layers' graphed timings on one H200 (docs/gpu.md, bench_decode.py).
+SMALL_BATCH_COST = PathCost(fixed_us=14.0, per_expert_us=0.0, bandwidth=3.7e12, flops=2.6e14)
+MEGAMOE_COST = PathCost(fixed_us=0.0, per_expert_us=0.3, bandwidth=4.2e12, flops=1.2e15)
+
+
+@dataclass(frozen=True)
+class LayerWork:
+    """What one call of a layer reads and computes, by token count.
+
+    Attributes:
+        num_experts: physical experts over all ranks (routing spreads over these).
+        num_local_experts: experts on this rank.
+        top_k: slots per token.
+        hidden: H.
+        intermediate: I.
+    """
+
+    num_experts: int
+    num_local_experts: int
+    top_k: int
+    hidden: int
+    intermediate: int
+
+    @property
+    def expert_bytes(self) -> int:
+        """One block-FP8 expert's weight bytes (``w13`` and ``w2``; scales are 1/16384 more)."""
+        return 3 * self.hidden * self.intermediate
+
+    def active_experts(self, tokens: int) -> float:
+        """Local experts that ``tokens`` tokens reach, expected under uniform routing."""
+        miss = (1.0 - min(self.top_k, self.num_experts) / self.num_experts) ** tokens
+        return self.num_local_experts * (1.0 - miss)
+
+    def predicted_us(self, cost: PathCost, tokens: int) -> float:
+        """``cost``'s microseconds for a call of ``tokens`` tokens."""
+        weights = self.active_experts(tokens) * self.expert_bytes / cost.bandwidth
+        local_pairs = tokens * self.top_k * self.num_local_experts / self.num_experts
+        flops = 2.0 * local_pairs * self.expert_bytes / cost.flops
+        return cost.fixed_us + cost.per_expert_us * self.num_local_experts + 1e6 * (weights + flops)
+
+
+def crossover_tokens(work: LayerWork, max_tokens: int) -> int:
+    """The most tokens per call for which the small-batch path is predicted no slower.
+
+    Every call of up to that many tokens takes it: the first token count at which MegaMoE is
+    predicted faster ends the range (0: never), capped at ``max_tokens``.
+    """
+    for tokens in range(1, max_tokens + 1):
+        if work.predicted_us(SMALL_BATCH_COST, tokens) > work.predicted_us(MEGAMOE_COST, tokens):
+            return tokens - 1
+    return max_tokens
+
+
+def layer_work(experts: MegaMoEExperts) -> LayerWork:
+    """The experts module's :class:`LayerWork`."""
+    return LayerWork(
+        experts.num_experts, experts.num_local_experts, experts.top_k, experts.hidden_size,
+        experts.intermediate_size,
+    )  # fmt: skip
+
+
+def unavailable_reason(experts: MegaMoEExperts, kind: str) -> str | None:
+    """Why the small-batch path cannot run this layer, None where it can."""
+    if kind != KIND_SM90 or experts.device.type != "cuda":
+        return (
+            f"it runs the Hopper kernel's block-FP8 layout (sm90_fp8) on a CUDA device; this "
+            f"layer runs {kind} on {experts.device}"
+        )
+    group = experts.process_group
+    if group is not None and dist.get_world_size(group) > 1:
+        return (
+            f"it runs one rank; this layer's expert-parallel group has "
+            f"{dist.get_world_size(group)} (there MegaMoE's dispatch is the communication)"
+        )
+    if experts.num_shared_experts:
+        return f"it runs routed experts only; this layer fuses {experts.num_shared_experts} shared"
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed (pip install triton, as CUDA builds of torch have it)"
+    return None
+
+
+def small_batch_tokens(experts: MegaMoEExperts, kind: str) -> int:
+    """The most tokens per call the layer runs on the small-batch path (0: none).
+
+    ``experts.experts_path``: ``"auto"`` gives :func:`crossover_tokens` where the path can
+    run, else 0; ``"small_batch"`` every call up to ``max_num_tokens``; ``"megamoe"`` 0.
+
+    Raises:
+        CapabilityError: ``"small_batch"`` where the path cannot run (from the experts
+            module, which asks :func:`unavailable_reason` first).
+    """
+    path = experts.experts_path
+    if path == PATH_MEGAMOE or unavailable_reason(experts, kind) is not None:
+        return 0
+    if path == PATH_SMALL_BATCH:
+        return experts.max_num_tokens
+    if path != PATH_AUTO:  # the experts module checked it; this keeps the rule total
+        raise ValueError(f"experts_path={path!r} is not one of auto, small_batch, megamoe")
+    return crossover_tokens(layer_work(experts), experts.max_num_tokens)
+
+
+_SHARED: dict[tuple[Any, ...], Any] = {}
+
+
+def shared_kernels(experts: MegaMoEExperts, max_tokens: int) -> Any:
+    """The ``SmallBatchExperts`` of this layer's shape on its device, shared by such layers.
+
+    Its scratch holds activations only; layers of one shape run one at a time, as they do
+    on the MegaMoE kernel's symmetric buffer.
+    """
+    key = (
+        experts.device, experts.num_local_experts, experts.experts_start_idx, experts.top_k,
+        experts.hidden_size, experts.intermediate_size, experts.swiglu_limit, max_tokens,
+    )  # fmt: skip
+    found = _SHARED.get(key)
+    if found is None:
+        module = importlib.import_module(KERNEL_MODULE)
+        with torch.cuda.device(experts.device):
+            found = module.SmallBatchExperts(
+                num_experts=experts.num_local_experts, first_expert=experts.experts_start_idx,
+                top_k=experts.top_k, hidden=experts.hidden_size,
+                intermediate=experts.intermediate_size, swiglu_limit=experts.swiglu_limit,
+                max_tokens=max_tokens, device=experts.device,
+            )  # fmt: skip
+        _SHARED[key] = found
+    return found

@@ -1,0 +1,145 @@
+"""The small-batch path's choice rule, the ``experts_path`` option and its refusals, on CPU.
+
+The kernels themselves run on a Hopper GPU only (``test_gpu_small_batch.py``); here the rule
+that picks them per call, and what a layer says and refuses, with a fake ``deep_gemm`` where
+the DeepGEMM backend is needed.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from fakes import load_fake
+
+from megamoe.core.backends import deepgemm as dg_backend
+from megamoe.core.backends import small_batch
+from megamoe.core.backends.small_batch import (
+    MEGAMOE_COST,
+    SMALL_BATCH_COST,
+    LayerWork,
+    crossover_tokens,
+)
+from megamoe.core.errors import CapabilityError
+from megamoe.core.numerics.formats import WeightFormat
+from megamoe.core.testing import one_rank_experts, synthetic_expert_tensors
+
+fake_dg = load_fake("fake_deep_gemm")
+FMT = WeightFormat.FP8_BLOCK
+# The released layers (transformers 5.24.0 configs), one rank holding every expert.
+QWEN4EXP = LayerWork(
+    num_experts=512, num_local_experts=512, top_k=10, hidden=2048, intermediate=512
+)
+GLM53FLASH = LayerWork(
+    num_experts=288, num_local_experts=288, top_k=8, hidden=4096, intermediate=2048
+)
+
+
+@pytest.mark.parametrize("work", [QWEN4EXP, GLM53FLASH], ids=["qwen4exp", "glm53flash"])
+def test_the_crossover_is_where_the_models_cross(work: LayerWork) -> None:
+    tokens = crossover_tokens(work, 8192)
+    assert 0 < tokens < 8192
+    for below in (1, tokens):
+        assert work.predicted_us(SMALL_BATCH_COST, below) <= work.predicted_us(MEGAMOE_COST, below)
+    assert work.predicted_us(SMALL_BATCH_COST, tokens + 1) > work.predicted_us(
+        MEGAMOE_COST, tokens + 1
+    )
+
+
+def test_the_crossover_follows_the_layer_shape() -> None:
+    # Qwen4-Exp's many small experts keep the small-batch path far past decode; GLM-5.3-Flash's
+    # large ones hand over to MegaMoE much earlier: one rule, measured constants, two answers.
+    qwen, glm = crossover_tokens(QWEN4EXP, 8192), crossover_tokens(GLM53FLASH, 8192)
+    assert qwen > 4 * glm
+    assert glm >= 1
+
+
+def test_the_crossover_is_capped_by_the_layers_max_tokens() -> None:
+    assert crossover_tokens(QWEN4EXP, 3) == 3
+    assert crossover_tokens(QWEN4EXP, 0) == 0
+
+
+def test_active_experts_under_uniform_routing() -> None:
+    assert QWEN4EXP.active_experts(0) == 0
+    assert QWEN4EXP.active_experts(1) == pytest.approx(10)
+    assert QWEN4EXP.active_experts(100_000) == pytest.approx(512)
+    half = LayerWork(
+        num_experts=512, num_local_experts=256, top_k=10, hidden=2048, intermediate=512
+    )
+    assert half.active_experts(1) == pytest.approx(5)
+
+
+def experts(path: str, backend: str = "auto", device: str = "cpu", max_tokens: int = 64):
+    return one_rank_experts(
+        4, 512, 256, top_k=2, weight_format=FMT, checkpoint_format=FMT,
+        max_num_tokens=max_tokens, backend=backend, device=device, experts_path=path,
+    )  # fmt: skip
+
+
+def test_an_unknown_path_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"experts_path='fast'; expected one of auto, small_b"):
+        experts("fast")
+
+
+def test_forcing_the_small_batch_path_where_it_cannot_run_names_why() -> None:
+    with pytest.raises(
+        CapabilityError,
+        match=r"experts_path='small_batch' cannot run here: the reference experts backend has "
+        r"no small-batch path; use experts_path='auto'",
+    ):
+        experts("small_batch", backend="reference")
+
+
+@pytest.mark.parametrize("path", ["auto", "megamoe"])
+def test_the_reference_backend_has_one_path(path: str) -> None:
+    layer = experts(path, backend="reference")
+    assert layer.backend.path_for(layer, 1) == "reference"
+    assert f"experts_path={path}" in repr(layer)
+
+
+def install_fake_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = fake_dg.FakeDeepGemm(arch="sm90", kinds=frozenset({fake_dg.SM90_KIND}))
+    monkeypatch.setitem(sys.modules, "deep_gemm", fake.module())
+    monkeypatch.setattr(dg_backend, "_device_arch", lambda device: "sm90")
+    group = fake_dg.FakeGroup()
+    monkeypatch.setattr(dg_backend, "resolve_group", lambda process_group, device: group)
+
+
+def test_the_deepgemm_backend_on_a_cpu_tensor_keeps_megamoe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    install_fake_hopper(monkeypatch)
+    layer = experts("auto", backend="deepgemm")
+    layer.load_weights(synthetic_expert_tensors(FMT, 4, 512, 256, seed=0))
+    layer.finalize()
+    assert layer.backend.path_for(layer, 1) == "megamoe"
+    with pytest.raises(CapabilityError, match=r"on a CUDA device; this layer runs sm90_fp8 on cpu"):
+        experts("small_batch", backend="deepgemm")
+
+
+@pytest.mark.parametrize(("path", "expected"), [("auto", 17), ("small_batch", 64), ("megamoe", 0)])
+def test_the_option_sets_how_many_tokens_take_the_path(
+    monkeypatch: pytest.MonkeyPatch, path: str, expected: int
+) -> None:
+    install_fake_hopper(monkeypatch)
+    layer = experts("megamoe", backend="deepgemm")
+    layer.experts_path = path
+    monkeypatch.setattr(small_batch, "unavailable_reason", lambda experts, kind: None)
+    monkeypatch.setattr(small_batch, "crossover_tokens", lambda work, max_tokens: 17)
+    assert small_batch.small_batch_tokens(layer, dg_backend.KIND_SM90) == expected
+    assert layer.backend.path_for(layer, expected or 1) == (
+        "megamoe" if path == "megamoe" else "small_batch"
+    )
+    assert layer.backend.path_for(layer, expected + 1) == "megamoe"
+
+
+def test_several_ranks_keep_megamoe(monkeypatch: pytest.MonkeyPatch) -> None:
+    layer = experts("megamoe", backend="reference")
+    monkeypatch.setattr(small_batch.dist, "get_world_size", lambda group: 2)
+    layer.process_group = object()  # type: ignore[assignment]
+    layer.device = torch.device("cuda")
+    reason = small_batch.unavailable_reason(layer, dg_backend.KIND_SM90)
+    assert (
+        reason is not None and "runs one rank; this layer's expert-parallel group has 2" in reason
+    )
