@@ -1,0 +1,191 @@
+"""The small-batch experts path on a Hopper GPU, against the reference that emulates the kernel.
+
+Both real layer shapes (hidden, intermediate, top-k of Qwen4-Exp and GLM-5.3-Flash; fewer
+experts, so the test loads in seconds), with and without the SwiGLU clamp, block-FP8 weights
+whose magnitudes differ per expert, shard and 128x128 block (``megamoe.core.testing``). The
+path rounds activations as the MegaMoE kernel does, so the emulating reference backend is its
+oracle: relative error <= 1e-2 (SPEC §6), and well under the float reference's distance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from bitcheck import assert_bitwise_equal, relative_error
+from graph_check import replayed_output
+from memory import canonical_bytes, resident_bytes
+
+from megamoe.core.backends.deepgemm import DeepGemmBackend
+from megamoe.core.modules.experts import MegaMoEExperts
+from megamoe.core.numerics.formats import WeightFormat
+from megamoe.core.testing import synthetic_expert_tensors
+
+FMT = WeightFormat.FP8_BLOCK
+EMULATED_TOL = 1e-2  # SPEC §6: emulated-kernel reference vs a kernel
+EMULATED_VS_FLOAT = 0.5  # the emulation must be far closer than the float reference
+# (experts, top-k, hidden, intermediate, SwiGLU clamp): the real layers' H, I and top-k.
+SHAPES = {
+    "qwen4exp": (64, 10, 2048, 512, None),
+    "glm53flash": (32, 8, 4096, 2048, 10.0),
+    "qwen4exp-clamped": (64, 10, 2048, 512, 1.5),
+    "glm53flash-unclamped": (32, 8, 4096, 2048, None),
+}
+MAX_TOKENS = 256
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _small_batch_available() -> None:
+    reason = DeepGemmBackend.unsupported_reason(FMT, torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(f"DeepGEMM cannot run {FMT.value} here: {reason}")
+
+
+def build(shape: str, path: str, seed: int = 0, **options: object) -> MegaMoEExperts:
+    experts_count, top_k, hidden, inter, limit = SHAPES[shape]
+    experts = MegaMoEExperts(
+        num_experts=experts_count, num_local_experts=experts_count, experts_start_idx=0,
+        num_logical_experts=experts_count, top_k=top_k, hidden_size=hidden,
+        intermediate_size=inter, weight_format=FMT, checkpoint_format=FMT,
+        max_num_tokens=MAX_TOKENS, device="cuda", prefix=f"{shape}.experts",
+        swiglu_limit=limit, experts_path=path, **options,  # type: ignore[arg-type]
+    )  # fmt: skip
+    tensors = synthetic_expert_tensors(FMT, experts_count, hidden, inter, seed=seed)
+    experts.load_weights(tensors)
+    experts.finalize()
+    return experts
+
+
+@pytest.fixture(scope="module")
+def layers() -> dict[tuple[str, str], MegaMoEExperts]:
+    return {}
+
+
+def layer(cache: dict[tuple[str, str], MegaMoEExperts], shape: str, path: str) -> MegaMoEExperts:
+    if (shape, path) not in cache:
+        if path == "reference":
+            cache[(shape, path)] = build(shape, "auto", backend="reference", emulate_kernel=True)
+        elif path == "float":
+            cache[(shape, path)] = build(shape, "auto", backend="reference")
+        else:
+            cache[(shape, path)] = build(shape, path, backend="deepgemm")
+    return cache[(shape, path)]
+
+
+def routing(
+    shape: str, tokens: int, seed: int, mode: str = "uniform"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens of varied magnitude; distinct ids with ~10% unused (-1), or every expert hit,
+    or every token on expert 0 alone; softmax weights (0 where unused)."""
+    experts_count, top_k, hidden, _, _ = SHAPES[shape]
+    gen = torch.Generator().manual_seed(seed)
+    gain = torch.exp2(torch.rand(tokens, 1, generator=gen) * 4 - 2)
+    x = (torch.randn(tokens, hidden, generator=gen) * gain).to(torch.bfloat16)
+    ids = torch.rand(tokens, experts_count, generator=gen).argsort(-1)[:, :top_k]
+    if mode == "uniform":
+        ids = ids.masked_fill(torch.rand(tokens, top_k, generator=gen) < 0.1, -1)
+    elif mode == "every":
+        ids[:, 0] = torch.arange(tokens) % experts_count
+        ids[:, 1:] = -1
+        ids[:, 1] = (torch.arange(tokens) + 1) % experts_count
+    elif mode == "one":
+        ids[:, 0] = 0
+        ids[:, 1:] = -1
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), -1).masked_fill(ids < 0, 0)
+    return x.cuda(), weights.float().cuda(), ids.to(torch.int32).cuda()
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize(
+    ("tokens", "mode"),
+    [(1, "uniform"), (2, "uniform"), (3, "uniform"), (16, "uniform"), (64, "every"),
+     (64, "one"), (MAX_TOKENS, "uniform")],
+)  # fmt: skip
+def test_small_batch_matches_the_emulating_reference(
+    layers: dict[tuple[str, str], MegaMoEExperts], shape: str, tokens: int, mode: str
+) -> None:
+    small = layer(layers, shape, "small_batch")
+    assert small.backend.path_for(small, tokens) == "small_batch"
+    x, weights, ids = routing(shape, tokens, seed=tokens, mode=mode)
+    got = small(x, weights, ids)
+    emulated = layer(layers, shape, "reference")(x, weights, ids)
+    exact = layer(layers, shape, "float")(x, weights, ids)
+    error, float_error = relative_error(got, emulated), relative_error(got, exact)
+    print(f"[gpu-small-batch] {shape} {tokens} {mode}: {error:.3g} (float {float_error:.3g})")
+    assert error <= EMULATED_TOL
+    assert error <= EMULATED_VS_FLOAT * float_error
+
+
+@pytest.mark.parametrize("shape", ["qwen4exp", "glm53flash"])
+def test_the_dispatch_buffers_fp8_tokens_give_the_bf16_calls_bits(
+    layers: dict[tuple[str, str], MegaMoEExperts], shape: str
+) -> None:
+    small = layer(layers, shape, "small_batch")
+    x, weights, ids = routing(shape, 5, seed=3)
+    bf16_call = small(x, weights, ids)
+    rows = small.dispatch_buffer(x)
+    assert rows is not None
+    groups = x.float().unflatten(-1, (-1, 128))  # the dispatch rule, as the router writes it
+    amax = groups.abs().amax(-1, keepdim=True).clamp(min=1e-10)
+    scale = amax / torch.full_like(amax, 448.0)
+    rows.x[:5] = (groups * (1.0 / scale)).to(torch.float8_e4m3fn).flatten(-2)
+    rows.x_scale[:5] = scale.squeeze(-1)
+    rows.topk_ids[:5], rows.topk_weights[:5] = ids.long(), weights
+    dispatched = small(x, weights, ids, dispatched=True)
+    assert_bitwise_equal(dispatched, bf16_call, "the dispatch buffer's FP8 tokens vs bf16 ones")
+
+
+@pytest.mark.parametrize("shape", ["qwen4exp", "glm53flash"])
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_a_graph_replay_gives_the_eager_bits(
+    layers: dict[tuple[str, str], MegaMoEExperts], shape: str, tokens: int
+) -> None:
+    small = layer(layers, shape, "auto")
+    assert small.backend.path_for(small, tokens) == "small_batch"
+    x, weights, ids = routing(shape, tokens, seed=11)
+    eager = small(x, weights, ids)
+    assert_bitwise_equal(replayed_output(lambda: small(x, weights, ids)), eager, "replay")
+
+
+def test_a_reload_in_place_is_what_the_next_replay_reads() -> None:
+    small = build("qwen4exp", "small_batch", seed=1, backend="deepgemm")
+    x, weights, ids = routing("qwen4exp", 4, seed=5)
+    graph = torch.cuda.CUDAGraph()
+    small(x, weights, ids)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        out = small(x, weights, ids)
+    graph.replay()
+    before = out.clone()
+    experts_count, _, hidden, inter, _ = SHAPES["qwen4exp"]
+    small.load_weights(synthetic_expert_tensors(FMT, experts_count, hidden, inter, seed=2))
+    small.finalize()
+    graph.replay()
+    fresh = build("qwen4exp", "small_batch", seed=2, backend="deepgemm")
+    assert not torch.equal(out, before)
+    assert_bitwise_equal(out, fresh(x, weights, ids), "replay after a reload")
+
+
+@pytest.mark.parametrize("shape", ["qwen4exp", "glm53flash"])
+def test_the_path_keeps_one_resident_copy(
+    layers: dict[tuple[str, str], MegaMoEExperts], shape: str
+) -> None:
+    small = layer(layers, shape, "small_batch")
+    small(*routing(shape, 3, seed=0))
+    assert resident_bytes(small) == canonical_bytes(small)
+
+
+@pytest.mark.parametrize("shape", ["qwen4exp", "glm53flash"])
+def test_forced_megamoe_and_auto_above_the_crossover_take_the_kernel(
+    layers: dict[tuple[str, str], MegaMoEExperts], shape: str
+) -> None:
+    kernel = layer(layers, shape, "megamoe")
+    assert kernel.backend.path_for(kernel, 1) == "megamoe"
+    small = layer(layers, shape, "small_batch")
+    x, weights, ids = routing(shape, 16, seed=21)
+    error = relative_error(kernel(x, weights, ids), small(x, weights, ids))
+    assert error <= 2 * EMULATED_TOL  # two paths, each within the kernel's bound
