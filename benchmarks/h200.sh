@@ -36,6 +36,7 @@ run python3 -m nox -s gpu_tests -- -q -p no:cacheprovider -p no:benchmark -n 8 -
 run python3 benchmarks/bench_requant.py --torch-reps 2 --json "$out/requant.json"
 run python3 benchmarks/bench_forward.py --tokens 1,16,128,256,1024,4096 --json "$out/forward.json"
 run python3 benchmarks/bench_block.py --tokens 1,16,128,256,1024,4096 --json "$out/block.json"
+run python3 benchmarks/bench_decode.py --json "$out/decode.json" --plot "$out/decode.png"
 # The same blocks at the real models' sizes (one layer, one rank): GLM-5.3-Flash, Qwen4-Exp.
 run python3 benchmarks/bench_block.py --adapters glm5next --experts 288 --top-k 8 --hidden 4096 \
   --intermediate 2048 --shared-intermediate 2048 --tokens 1,16,64,256 --iters 15 --no-compile \

@@ -90,6 +90,7 @@ def build(
         device=device,
         prefix="model.layers.0.mlp.experts",
         emulate_kernel=emulate,
+        experts_path="megamoe",  # this file tests the MegaMoE kernel (small-batch: its own file)
     )
     if tensors is not None:
         experts.load_weights(tensors.items())

@@ -500,3 +500,39 @@ def test_a_closed_output_pipe_ends_quietly(
         monkeypatch.setattr(sys, "stdout", closed)
         assert cli.main(["inspect", str(checkpoint)]) == cli.EXIT_PIPE_CLOSED
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        (
+            ["--arch", "sm100"],
+            "MegaMoE for every call (the small-batch path runs fp8_block on sm90",
+        ),
+        (["--arch", "sm90", "--ep-size", "2"], "here sm90, expert parallel 2)"),
+    ],
+)
+def test_inspect_says_megamoe_takes_every_call_off_one_hopper_rank(
+    checkpoint: Path, capsys: pytest.CaptureFixture[str], options: list[str], expected: str
+) -> None:
+    assert cli.main(["inspect", str(checkpoint), *options]) == 0
+    path = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("path"))
+    assert expected in path
+
+
+def test_inspect_gives_the_small_batch_crossover_on_one_hopper_rank(
+    checkpoint: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from megamoe.core.cli import inspection
+
+    seen = []
+
+    def crossover(work, max_tokens):  # the rule's inputs are the checkpoint's layer
+        seen.append(work)
+        return 37
+
+    monkeypatch.setattr(inspection, "crossover_tokens", crossover)
+    assert cli.main(["inspect", str(checkpoint), "--arch", "sm90"]) == 0
+    path = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("path"))
+    assert "small-batch kernels for calls of up to 37 tokens, MegaMoE above (every layer" in path
+    assert (seen[0].num_experts, seen[0].hidden, seen[0].intermediate) == (4, 256, 128)

@@ -5,7 +5,7 @@ the MegaMoE kernel, and the small-batch kernels (``megamoe.core.kernels.experts_
 four Triton launches that read each active expert's weights once). MegaMoE pays a fixed cost
 per call that grows with the layer's experts; the small-batch path pays little per call but
 streams weights slower and, past decode sizes, computes less efficiently. Both are modelled
-as ``fixed + per_expert * E + active bytes / bandwidth + FLOPs / throughput``
+as ``max(fixed, per_expert * E) + active bytes / bandwidth + FLOPs / throughput``
 (:class:`PathCost`, constants measured on the H200, ``docs/gpu.md``), with the active experts
 expected under uniform routing. A layer takes the small-batch path for every call of up to
 :func:`crossover_tokens` tokens, the first token count at which its model stops predicting
@@ -41,8 +41,8 @@ class PathCost:
     """A path's predicted time per call, in microseconds, from the layer's work.
 
     Attributes:
-        fixed_us: per call, whatever the layer.
-        per_expert_us: per local expert of the layer, per call.
+        fixed_us: per call, the least whatever the layer.
+        per_expert_us: per local expert of the layer, per call, where that is more.
         bandwidth: bytes per second at which the active experts' weights stream.
         flops: FLOP/s of the GEMMs beyond what streaming the weights hides.
     """
@@ -91,7 +91,8 @@ class LayerWork:
         weights = self.active_experts(tokens) * self.expert_bytes / cost.bandwidth
         local_pairs = tokens * self.top_k * self.num_local_experts / self.num_experts
         flops = 2.0 * local_pairs * self.expert_bytes / cost.flops
-        return cost.fixed_us + cost.per_expert_us * self.num_local_experts + 1e6 * (weights + flops)
+        overhead = max(cost.fixed_us, cost.per_expert_us * self.num_local_experts)
+        return overhead + 1e6 * (weights + flops)
 
 
 def crossover_tokens(work: LayerWork, max_tokens: int) -> int:

@@ -190,6 +190,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         f"target      {plan.arch} ({where}); expert parallel {plan.ep_size} -> "
         f"{experts // plan.ep_size} experts per rank"
     )
+    _out(f"path        {plan.experts_path()}")
     _out(
         "checked     names, headers, index and every expert tensor (routed, shared, MTP) vs "
         "config.json"

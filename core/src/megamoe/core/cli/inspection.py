@@ -13,10 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from megamoe.core.adapters import ModelAdapter, open_checkpoint
+from megamoe.core.backends.small_batch import LayerWork, crossover_tokens
 from megamoe.core.checkpoint.expert_names import projection_shape, projection_specs
 from megamoe.core.checkpoint.layers import MoELayer
 from megamoe.core.errors import UsageError
-from megamoe.core.numerics.formats import WeightFormat, detect_arch, resolve_formats
+from megamoe.core.numerics.formats import ARCH_SM90, WeightFormat, detect_arch, resolve_formats
+
+EXPERTS_PATH_SCAN = 65536  # the most tokens per call inspect considers for the crossover
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class CheckpointPlan:
         ep_size: expert-parallel ranks.
         layers: one plan per MoE layer.
         defaulted: keys ``config.json`` leaves out, with the transformers default assumed.
+        top_k: experts per token.
     """
 
     path: Path
@@ -70,11 +74,36 @@ class CheckpointPlan:
     ep_size: int
     layers: tuple[LayerPlan, ...]
     defaulted: Mapping[str, Any] = field(default_factory=dict)
+    top_k: int = 1
 
     @property
     def kernel_bytes_per_rank(self) -> int:
         """All layers' routed-expert kernel bytes on one rank."""
         return sum(p.kernel_bytes_per_rank for p in self.layers)
+
+    def experts_path(self) -> str:
+        """Which path runs the routed experts, by call size (``experts_path="auto"``).
+
+        On sm90 with one rank, block-FP8 layers take the small-batch kernels for calls of up
+        to their crossover token count (``backends.small_batch``), MegaMoE above; elsewhere
+        MegaMoE takes every call.
+        """
+        experts, hidden, inter = self.dims
+        small = [p for p in self.layers if p.run_format is WeightFormat.FP8_BLOCK]
+        if self.arch != ARCH_SM90 or self.ep_size != 1 or not small:
+            return (
+                f"MegaMoE for every call (the small-batch path runs fp8_block on sm90 with "
+                f"one rank; here {self.arch}, expert parallel {self.ep_size})"
+            )
+        work = LayerWork(experts, experts, self.top_k, hidden, inter)
+        tokens = crossover_tokens(work, EXPERTS_PATH_SCAN)
+        if tokens == 0:
+            return "MegaMoE for every call (the rule predicts it faster at every size here)"
+        layers = "every layer" if len(small) == len(self.layers) else f"{len(small)} layer(s)"
+        return (
+            f"small-batch kernels for calls of up to {tokens} tokens, MegaMoE above "
+            f"({layers}; experts_path='auto', capped by the engine's max_num_tokens)"
+        )
 
 
 def expert_kernel_bytes(fmt: WeightFormat, hidden_size: int, intermediate_size: int) -> int:
@@ -164,6 +193,7 @@ def plan_checkpoint(
         ep_size=ep_size,
         layers=tuple(plans),
         defaulted=dict(getattr(cfg, "defaulted", {})),
+        top_k=cfg.num_experts_per_tok,
     )
 
 

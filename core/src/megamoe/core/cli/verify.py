@@ -68,7 +68,8 @@ class LayerCheck:
     Attributes:
         layer: the checked layer.
         run_format: the format its experts ran in.
-        backend: the experts backend that ran.
+        backend: the experts backend that ran, and its path where it has several
+            (``deepgemm: small_batch`` or ``deepgemm: megamoe``).
         max_rel_error: ``max |out - ref| / max |ref|``, the reference computed from the
             source checkpoint when one was given (``against``), else from this one.
         tolerance: the largest error accepted.
@@ -201,10 +202,11 @@ def verify_layer(
     if tolerance is None:
         rounding = experts.backend.rounds_activations(experts)
         tolerance = tolerance_for(source_format, run_format, rounding)
+    name, path = experts.backend.name, experts.backend.path_for(experts, num_tokens)
     return LayerCheck(
         layer=layer,
         run_format=run_format,
-        backend=experts.backend.name,
+        backend=name if path == name else f"{name}: {path}",
         max_rel_error=max_rel_error(out, ref),
         tolerance=tolerance,
         load_seconds=load_seconds,
