@@ -54,8 +54,8 @@ class PathCost:
 
 
 # Fitted to both real layers' graphed timings on one H200 (docs/gpu.md, bench_decode.py).
-SMALL_BATCH_COST = PathCost(fixed_us=14.0, per_expert_us=0.0, bandwidth=3.7e12, flops=2.6e14)
-MEGAMOE_COST = PathCost(fixed_us=0.0, per_expert_us=0.3, bandwidth=4.2e12, flops=1.2e15)
+SMALL_BATCH_COST = PathCost(fixed_us=20.0, per_expert_us=0.0, bandwidth=3.6e12, flops=2.7e14)
+MEGAMOE_COST = PathCost(fixed_us=60.0, per_expert_us=0.32, bandwidth=4.3e12, flops=1.2e15)
 
 
 @dataclass(frozen=True)
