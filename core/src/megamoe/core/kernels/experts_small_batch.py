@@ -157,6 +157,17 @@ def _route_kernel(
 
 
 @triton.jit
+def _expert_rows(
+    table_ptr: tl.tensor, slot: int, num_pairs: int, NUM_EXPERTS: tl.constexpr
+) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """Active expert ``slot``: its id, its pairs' count, where its pairs start in the table."""
+    expert = tl.load(table_ptr + 2 * NUM_EXPERTS + slot)
+    first = tl.load(table_ptr + NUM_EXPERTS + expert)
+    sorted_ptr = table_ptr + 3 * NUM_EXPERTS + 1 + num_pairs + first
+    return expert, tl.load(table_ptr + expert), sorted_ptr
+
+
+@triton.jit
 def _l1_kernel(
     x_fp8_ptr: tl.tensor,
     x_scale_ptr: tl.tensor,
@@ -181,10 +192,7 @@ def _l1_kernel(
     if slot >= tl.load(table_ptr + 3 * NUM_EXPERTS):
         return
     tile = tl.program_id(1)
-    expert = tl.load(table_ptr + 2 * NUM_EXPERTS + slot)
-    count = tl.load(table_ptr + expert)
-    first = tl.load(table_ptr + NUM_EXPERTS + expert)
-    sorted_ptr = table_ptr + 3 * NUM_EXPERTS + 1 + num_pairs
+    expert, count, sorted_ptr = _expert_rows(table_ptr, slot, num_pairs, NUM_EXPERTS)
     KB: tl.constexpr = HIDDEN // 128
     n = tile * 64 + tl.arange(0, 64)
     gate_rows = (n // 8) * 16 + n % 8
@@ -197,7 +205,7 @@ def _l1_kernel(
     for m0 in range(0, count, BLOCK_M):
         m = m0 + tl.arange(0, BLOCK_M)
         m_ok = m < count
-        pair = tl.load(sorted_ptr + first + m, mask=m_ok, other=0)
+        pair = tl.load(sorted_ptr + m, mask=m_ok, other=0)
         token = (pair // TOP_K).to(tl.int64)
         if ONE_DOT:
             rows = tile * 128 + tl.arange(0, 128)
@@ -261,10 +269,7 @@ def _l2_kernel(
     if slot >= tl.load(table_ptr + 3 * NUM_EXPERTS):
         return
     tile = tl.program_id(1)
-    expert = tl.load(table_ptr + 2 * NUM_EXPERTS + slot)
-    count = tl.load(table_ptr + expert)
-    first = tl.load(table_ptr + NUM_EXPERTS + expert)
-    sorted_ptr = table_ptr + 3 * NUM_EXPERTS + 1 + num_pairs
+    expert, count, sorted_ptr = _expert_rows(table_ptr, slot, num_pairs, NUM_EXPERTS)
     KS: tl.constexpr = INTERMEDIATE // 128
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, 64)
@@ -274,7 +279,7 @@ def _l2_kernel(
     for m0 in range(0, count, BLOCK_M):
         m = m0 + tl.arange(0, BLOCK_M)
         m_ok = m < count
-        pair = tl.load(sorted_ptr + first + m, mask=m_ok, other=0).to(tl.int64)
+        pair = tl.load(sorted_ptr + m, mask=m_ok, other=0).to(tl.int64)
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         for kb in range(INTERMEDIATE // 64):
             cols = kb * 64 + k
