@@ -16,6 +16,7 @@ from fakes import load_fake
 from megamoe.core.backends import deepgemm as dg_backend
 from megamoe.core.backends import small_batch
 from megamoe.core.backends.small_batch import (
+    MAX_ROWS_PER_EXPERT,
     MEGAMOE_COST,
     SMALL_BATCH_COST,
     LayerWork,
@@ -42,7 +43,26 @@ def test_the_crossover_is_where_the_models_cross(work: LayerWork) -> None:
     assert 0 < tokens < 8192
     for below in (1, tokens):
         assert work.predicted_us(SMALL_BATCH_COST, below) <= work.predicted_us(MEGAMOE_COST, below)
-    assert work.predicted_us(SMALL_BATCH_COST, tokens + 1) > work.predicted_us(
+        assert work.rows_per_active_expert(below) <= MAX_ROWS_PER_EXPERT
+    after = tokens + 1
+    slower = work.predicted_us(SMALL_BATCH_COST, after) > work.predicted_us(MEGAMOE_COST, after)
+    assert slower or work.rows_per_active_expert(after) > MAX_ROWS_PER_EXPERT
+
+
+def test_the_measured_crossovers_of_the_real_layers() -> None:
+    # bench_decode.py on the H200 (docs/gpu.md): Qwen4-Exp's small-batch path beat MegaMoE at
+    # 1024 tokens (606 against 780 us) and lost at 4096; GLM-5.3-Flash's won at 2 tokens
+    # (147 against 153 us) and lost at 4 (258 against 237).
+    assert 1024 <= crossover_tokens(QWEN4EXP, 8192) < 4096
+    assert 2 <= crossover_tokens(GLM53FLASH, 8192) < 4
+
+
+def test_many_tokens_per_expert_take_megamoe_even_where_the_cost_model_would_not() -> None:
+    # Qwen4-Exp's cost model alone keeps the small-batch path until the tokens per active
+    # expert outgrow one tile; the tile rule ends it there.
+    tokens = crossover_tokens(QWEN4EXP, 8192)
+    assert QWEN4EXP.rows_per_active_expert(tokens + 1) > MAX_ROWS_PER_EXPERT
+    assert QWEN4EXP.predicted_us(SMALL_BATCH_COST, tokens + 1) <= QWEN4EXP.predicted_us(
         MEGAMOE_COST, tokens + 1
     )
 

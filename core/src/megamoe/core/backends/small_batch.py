@@ -5,11 +5,14 @@ the MegaMoE kernel, and the small-batch kernels (``megamoe.core.kernels.experts_
 four Triton launches that read each active expert's weights once). MegaMoE pays a fixed cost
 per call that grows with the layer's experts; the small-batch path pays little per call but
 streams weights slower and, past decode sizes, computes less efficiently. Both are modelled
-as ``max(fixed, per_expert * E) + active bytes / bandwidth + FLOPs / throughput``
-(:class:`PathCost`, constants measured on the H200, ``docs/gpu.md``), with the active experts
-expected under uniform routing. A layer takes the small-batch path for every call of up to
-:func:`crossover_tokens` tokens, the first token count at which its model stops predicting
-it faster; so a fixed token count always takes one path and a CUDA graph captures one.
+as ``max(fixed, per_slot * E * top_k) + active bytes / bandwidth + FLOPs / throughput``
+(:class:`PathCost`, fitted to both real layers' graphed timings on the H200 within 7% for
+the small-batch path and 23% for MegaMoE, ``docs/gpu.md``), with the active experts expected
+under uniform routing. The small-batch kernels also stream an expert's weights once per
+tile of ``MAX_ROWS_PER_EXPERT`` tokens, so they are taken only while the expected tokens per
+active expert fit one tile. A layer takes the small-batch path for every call of up to
+:func:`crossover_tokens` tokens, the first token count at which either condition fails; so
+a fixed token count always takes one path and a CUDA graph captures one.
 
 ``experts_path`` (an option of ``MegaMoEExperts`` and of both blocks) forces either path:
 ``"small_batch"`` for every call the layer's ``max_num_tokens`` allows, ``"megamoe"`` for
@@ -42,20 +45,27 @@ class PathCost:
 
     Attributes:
         fixed_us: per call, the least whatever the layer.
-        per_expert_us: per local expert of the layer, per call, where that is more.
+        per_slot_us: per (local expert, top-k slot) pair of the layer, per call, where that
+            is more (MegaMoE's fixed cost grows with both: 169 us for Qwen4-Exp's 512 x 10,
+            112 for GLM-5.3-Flash's 288 x 8 at one token).
         bandwidth: bytes per second at which the active experts' weights stream.
         flops: FLOP/s of the GEMMs beyond what streaming the weights hides.
     """
 
     fixed_us: float
-    per_expert_us: float
+    per_slot_us: float
     bandwidth: float
     flops: float
 
 
-# Fitted to both real layers' graphed timings on one H200 (docs/gpu.md, bench_decode.py).
-SMALL_BATCH_COST = PathCost(fixed_us=20.0, per_expert_us=0.0, bandwidth=3.6e12, flops=2.7e14)
-MEGAMOE_COST = PathCost(fixed_us=60.0, per_expert_us=0.32, bandwidth=4.3e12, flops=1.2e15)
+# Fitted to bench_decode.py's graphed medians of both real layers on one H200 (docs/gpu.md):
+# the small-batch path at 1-256 tokens and Qwen4-Exp's 1024, MegaMoE at 1-1024 tokens.
+SMALL_BATCH_COST = PathCost(fixed_us=22.0, per_slot_us=0.0, bandwidth=3.47e12, flops=5.4e14)
+MEGAMOE_COST = PathCost(fixed_us=60.0, per_slot_us=0.031, bandwidth=4.56e12, flops=4.7e14)
+# Tokens per tile of the small-batch kernels from 512 tokens (kernels.experts_small_batch
+# tiles_for): more per active expert and they stream its weights again per tile (Qwen4-Exp
+# at 4096 tokens, 80 per expert: 2069 us against MegaMoE's 1753).
+MAX_ROWS_PER_EXPERT = 32
 
 
 @dataclass(frozen=True)
@@ -91,18 +101,28 @@ class LayerWork:
         weights = self.active_experts(tokens) * self.expert_bytes / cost.bandwidth
         local_pairs = tokens * self.top_k * self.num_local_experts / self.num_experts
         flops = 2.0 * local_pairs * self.expert_bytes / cost.flops
-        overhead = max(cost.fixed_us, cost.per_expert_us * self.num_local_experts)
+        overhead = max(cost.fixed_us, cost.per_slot_us * self.num_local_experts * self.top_k)
         return overhead + 1e6 * (weights + flops)
+
+    def rows_per_active_expert(self, tokens: int) -> float:
+        """This rank's (token, slot) pairs per active local expert, expected."""
+        active = self.active_experts(tokens)
+        local_pairs = tokens * self.top_k * self.num_local_experts / self.num_experts
+        return local_pairs / active if active else 0.0
 
 
 def crossover_tokens(work: LayerWork, max_tokens: int) -> int:
     """The most tokens per call for which the small-batch path is predicted no slower.
 
     Every call of up to that many tokens takes it: the first token count at which MegaMoE is
-    predicted faster ends the range (0: never), capped at ``max_tokens``.
+    predicted faster, or at which an active expert expects more than ``MAX_ROWS_PER_EXPERT``
+    tokens, ends the range (0: never), capped at ``max_tokens``.
     """
     for tokens in range(1, max_tokens + 1):
-        if work.predicted_us(SMALL_BATCH_COST, tokens) > work.predicted_us(MEGAMOE_COST, tokens):
+        slower = work.predicted_us(SMALL_BATCH_COST, tokens) > work.predicted_us(
+            MEGAMOE_COST, tokens
+        )
+        if slower or work.rows_per_active_expert(tokens) > MAX_ROWS_PER_EXPERT:
             return tokens - 1
     return max_tokens
 

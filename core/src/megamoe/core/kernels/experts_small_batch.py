@@ -72,22 +72,23 @@ class Tiles:
     block_n2: int
     warps: int
     stages: int
-    one_dot: bool = True
 
 
 def tiles_for(tokens: int) -> Tiles:
     """The tile shape for a call of ``tokens`` tokens (measured on the H200, docs/gpu.md).
 
-    Decode sizes put one or two tokens on most experts: 16-token tiles waste least. From 512
-    tokens an expert holds tens of tokens and 64-token tiles read its weights fewer times
-    from L2.
+    Decode sizes put one or two tokens on most experts: 16-token tiles waste least, and
+    l2 programs of 64 columns with 5 stages in flight streamed best (within 2-6% of the ten
+    shapes tried at 1-256 tokens on both real layers). From 512 tokens an expert holds tens
+    of tokens: 32-token tiles read its weights fewer times (Qwen4-Exp at 1024 tokens: 606 us
+    against 980 with 64-token tiles of 8 warps).
     """
     if tokens < 512:
-        return Tiles(block_m=16, block_n2=128, warps=4, stages=4)
-    return Tiles(block_m=64, block_n2=128, warps=8, stages=4)
+        return Tiles(block_m=16, block_n2=64, warps=4, stages=5)
+    return Tiles(block_m=32, block_n2=128, warps=4, stages=4)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_tokens", "first_expert"])
 def _route_kernel(
     ids_ptr: tl.tensor,
     table_ptr: tl.tensor,
@@ -167,7 +168,7 @@ def _expert_rows(
     return expert, tl.load(table_ptr + expert), sorted_ptr
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _l1_kernel(
     x_fp8_ptr: tl.tensor,
     x_scale_ptr: tl.tensor,
@@ -185,7 +186,6 @@ def _l1_kernel(
     CLAMP: tl.constexpr,
     LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    ONE_DOT: tl.constexpr,
 ) -> None:
     """Active expert ``program_id(0)``'s 64 intermediate columns ``program_id(1)``."""
     slot = tl.program_id(0)
@@ -195,46 +195,33 @@ def _l1_kernel(
     expert, count, sorted_ptr = _expert_rows(table_ptr, slot, num_pairs, NUM_EXPERTS)
     KB: tl.constexpr = HIDDEN // 128
     n = tile * 64 + tl.arange(0, 64)
-    gate_rows = (n // 8) * 16 + n % 8
-    up_rows = gate_rows + 8
     k = tl.arange(0, 128)
     w_base = w13_ptr + expert.to(tl.int64) * (2 * INTERMEDIATE * HIDDEN)
     scale_base = w13_scale_ptr + expert.to(tl.int64) * (2 * INTERMEDIATE // 128) * KB
     gate_scales = scale_base + ((tile * 64) // 128) * KB
     up_scales = scale_base + ((INTERMEDIATE + tile * 64) // 128) * KB
+    # Intermediate columns 64t..64t+63 are stored rows 128t..128t+127: 8 gate rows, then the
+    # same 8 columns' up rows, and so on (L1 order); one dot covers both, split afterwards.
+    rows = tile * 128 + tl.arange(0, 128)
+    is_gate = (tl.arange(0, 128) // 8) % 2 == 0
     for m0 in range(0, count, BLOCK_M):
         m = m0 + tl.arange(0, BLOCK_M)
         m_ok = m < count
         pair = tl.load(sorted_ptr + m, mask=m_ok, other=0)
         token = (pair // TOP_K).to(tl.int64)
-        if ONE_DOT:
-            rows = tile * 128 + tl.arange(0, 128)
-            is_gate = (tl.arange(0, 128) // 8) % 2 == 0
-            acc = tl.zeros([128, BLOCK_M], tl.float32)
-            for kb in range(KB):
-                cols = kb * 128 + k
-                w = tl.load(w_base + rows[:, None] * HIDDEN + cols[None, :])
-                x_at = x_fp8_ptr + token[:, None] * HIDDEN + cols[None, :]
-                x_t = tl.trans(tl.load(x_at, mask=m_ok[:, None], other=0.0))
-                x_scale = tl.load(x_scale_ptr + token * KB + kb, mask=m_ok, other=0.0)
-                w_scale = tl.where(is_gate, tl.load(gate_scales + kb), tl.load(up_scales + kb))
-                acc += tl.dot(w, x_t) * (w_scale[:, None] * x_scale[None, :])
-            acc = tl.permute(tl.reshape(acc, (8, 2, 8, BLOCK_M)), (0, 2, 3, 1))
-            gate, up = tl.split(acc)
-            gate = tl.reshape(gate, (64, BLOCK_M))
-            up = tl.reshape(up, (64, BLOCK_M))
-        else:
-            gate = tl.zeros([64, BLOCK_M], tl.float32)
-            up = tl.zeros([64, BLOCK_M], tl.float32)
-            for kb in range(KB):
-                cols = kb * 128 + k
-                w_gate = tl.load(w_base + gate_rows[:, None] * HIDDEN + cols[None, :])
-                w_up = tl.load(w_base + up_rows[:, None] * HIDDEN + cols[None, :])
-                x_at = x_fp8_ptr + token[:, None] * HIDDEN + cols[None, :]
-                x_t = tl.trans(tl.load(x_at, mask=m_ok[:, None], other=0.0))
-                x_scale = tl.load(x_scale_ptr + token * KB + kb, mask=m_ok, other=0.0)
-                gate += tl.dot(w_gate, x_t) * (x_scale[None, :] * tl.load(gate_scales + kb))
-                up += tl.dot(w_up, x_t) * (x_scale[None, :] * tl.load(up_scales + kb))
+        acc = tl.zeros([128, BLOCK_M], tl.float32)
+        for kb in range(KB):
+            cols = kb * 128 + k
+            w = tl.load(w_base + rows[:, None] * HIDDEN + cols[None, :])
+            x_at = x_fp8_ptr + token[:, None] * HIDDEN + cols[None, :]
+            x_t = tl.trans(tl.load(x_at, mask=m_ok[:, None], other=0.0))
+            x_scale = tl.load(x_scale_ptr + token * KB + kb, mask=m_ok, other=0.0)
+            w_scale = tl.where(is_gate, tl.load(gate_scales + kb), tl.load(up_scales + kb))
+            acc += tl.dot(w, x_t) * (w_scale[:, None] * x_scale[None, :])
+        acc = tl.permute(tl.reshape(acc, (8, 2, 8, BLOCK_M)), (0, 2, 3, 1))
+        gate, up = tl.split(acc)
+        gate = tl.reshape(gate, (64, BLOCK_M))
+        up = tl.reshape(up, (64, BLOCK_M))
         if CLAMP:
             gate = tl.minimum(gate, LIMIT)
             up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
@@ -249,7 +236,7 @@ def _l1_kernel(
         tl.store(act_scale_ptr + pair * (INTERMEDIATE // 64) + tile, act_scale, mask=m_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _l2_kernel(
     act_ptr: tl.tensor,
     act_scale_ptr: tl.tensor,
@@ -291,7 +278,7 @@ def _l2_kernel(
         tl.store(y_ptr + pair[None, :] * HIDDEN + n[:, None], acc, mask=m_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_expert"])
 def _combine_kernel(
     y_ptr: tl.tensor,
     ids_ptr: tl.tensor,
@@ -430,7 +417,7 @@ class SmallBatchExperts:
         limit = self.swiglu_limit
         l1_c = (
             self.num_experts, self.top_k, self.hidden, self.intermediate, limit is not None,
-            0.0 if limit is None else limit, tiles.block_m, tiles.one_dot,
+            0.0 if limit is None else limit, tiles.block_m,
         )  # fmt: skip
         l1_inputs = (x_fp8, x_scale, w13, w13_scale, topk_weights)
         _l1(
