@@ -34,6 +34,7 @@ experts return at once. No host sync.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -301,6 +302,15 @@ def _combine_kernel(
     tl.store(out_ptr + token * HIDDEN + cols, acc.to(tl.bfloat16), mask=cols_ok)
 
 
+def _key(constexprs: Hashable, *inputs: torch.Tensor) -> Hashable | None:
+    """A launch's direct-launch key: its constexprs and its inputs' dtypes (the JIT's too).
+
+    The ids come as int32 (the caller's routing) or int64 (the dispatch buffer): a kernel
+    compiled for one reads the other wrongly, so the dtypes are part of every key.
+    """
+    return eager_key((constexprs, tuple(t.dtype for t in inputs)), *inputs)
+
+
 _route = KernelLaunch(_route_kernel, runtime_args=8)
 _l1 = KernelLaunch(_l1_kernel, runtime_args=9)
 _l2 = KernelLaunch(_l2_kernel, runtime_args=7)
@@ -407,7 +417,7 @@ class SmallBatchExperts:
         route_c = (self.num_experts, experts_pow2, self.hidden, cast)
         grid = (1 + (triton.cdiv(tokens, CAST_ROWS) if cast else 0), 1, 1)
         _route(
-            eager_key((route_c, topk_ids.dtype, hidden_states.dtype), topk_ids, hidden_states),
+            _key(route_c, topk_ids, hidden_states),
             grid, index,
             (topk_ids, self._table, hidden_states, self._x_fp8, self._x_scale, pairs, tokens,
              self.first_expert),
@@ -421,21 +431,21 @@ class SmallBatchExperts:
         )  # fmt: skip
         l1_inputs = (x_fp8, x_scale, w13, w13_scale, topk_weights)
         _l1(
-            eager_key((l1_c, tiles), *l1_inputs),
+            _key((l1_c, tiles), *l1_inputs),
             (active, self.intermediate // BLOCK_N1, 1), index,
             (*l1_inputs, self._table, self._act, self._act_scale, pairs),
             l1_c, tiles.warps, tiles.stages,
         )  # fmt: skip
         l2_c = (self.num_experts, self.hidden, self.intermediate, tiles.block_m, tiles.block_n2)
         _l2(
-            eager_key((l2_c, tiles), w2, w2_scale),
+            _key((l2_c, tiles), w2, w2_scale),
             (active, self.hidden // tiles.block_n2, 1), index,
             (self._act, self._act_scale, w2, w2_scale, self._table, self._rows, pairs),
             l2_c, tiles.warps, tiles.stages,
         )  # fmt: skip
         combine_c = (self.num_experts, self.top_k, self.hidden, COMBINE_BLOCK)
         _combine(
-            eager_key(combine_c, topk_ids), (tokens, triton.cdiv(self.hidden, COMBINE_BLOCK), 1),
+            _key(combine_c, topk_ids), (tokens, triton.cdiv(self.hidden, COMBINE_BLOCK), 1),
             index, (self._rows, topk_ids, out, self.first_expert), combine_c, 4,
         )  # fmt: skip
         return out
