@@ -79,8 +79,8 @@ def tiles_for(tokens: int) -> Tiles:
     """The tile shape for a call of ``tokens`` tokens (measured on the H200, docs/gpu.md).
 
     Decode sizes put one or two tokens on most experts: 16-token tiles waste least, and
-    l2 programs of 64 columns with 5 stages in flight streamed best (within 2-6% of the ten
-    shapes tried at 1-256 tokens on both real layers). From 512 tokens an expert holds tens
+    l2 programs of 64 columns with 5 stages in flight streamed best (within 4% of the best of
+    the ten shapes tried at 1-256 tokens on both real layers). From 512 tokens an expert holds tens
     of tokens: 32-token tiles read its weights fewer times (Qwen4-Exp at 1024 tokens: 606 us
     against 980 with 64-token tiles of 8 warps).
     """
