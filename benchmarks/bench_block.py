@@ -49,6 +49,7 @@ import torch
 from harness import (
     add_shape_args,
     back_to_back_sample,
+    bare_megamoe,
     cuda_graph_replay,
     format_table,
     host_sample,
@@ -160,28 +161,6 @@ def parts(block: MoEBlock, name: str) -> tuple[Callable[..., Any], Callable[...,
     return block.gate, block.shared_experts  # type: ignore[attr-defined]
 
 
-def bare_kernel(
-    block: MoEBlock,
-) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """DeepGEMM's two calls on the block's kernel weights and buffer, nothing else."""
-    experts = block.experts
-    backend: Any = experts.backend
-    module, _ = backend._kernel
-    l1w, l1s, l2w, l2s = backend._layout.pieces
-    buf = backend.symm_buffer.buffer
-    clamp = {} if experts.swiglu_limit is None else {"activation_clamp": experts.swiglu_limit}
-
-    def run(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        y = torch.empty_like(x)
-        module.mega_moe_pre_dispatch_sm90(
-            x, ids, weights, buf.x, buf.x_sf, buf.topk_idx, buf.topk_weights, x.shape[0]
-        )
-        module.fp8_mega_moe(y, (l1w, l1s), (l2w, l2s), buf, **clamp)
-        return y
-
-    return run
-
-
 def measure(
     name: str,
     block: MoEBlock,
@@ -199,7 +178,7 @@ def measure(
     x = torch.randn(count, args.hidden, device="cuda", generator=gen).bfloat16()
     router, shared = parts(block, name)
     weights, ids = router(x)
-    bare = bare_kernel(block)
+    bare = bare_megamoe(block.experts)
     default = block.aux_stream  # type: ignore[attr-defined]
     logits_weight = torch.randn(args.experts, args.hidden, device="cuda", generator=gen).bfloat16()
 

@@ -40,6 +40,7 @@ import torch
 
 from harness import (
     back_to_back_sample,
+    bare_megamoe,
     cuda_graph_replay,
     format_table,
     interleaved_us,
@@ -137,26 +138,6 @@ def routing(name: str, tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tens
     return x, weights.float(), ids.to(torch.int32)
 
 
-def megamoe_call(layer: MegaMoEExperts) -> Callable[..., torch.Tensor]:
-    """DeepGEMM's two Hopper calls on the layer's kernel tensors and buffer, nothing else."""
-    backend: Any = layer.backend
-    module, _ = backend._kernel
-    l1w, l1s, l2w, l2s = backend._layout.pieces
-    buf = backend.symm_buffer.buffer
-    clamp = {} if layer.swiglu_limit is None else {"activation_clamp": layer.swiglu_limit}
-
-    def run(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        y = torch.empty_like(x)
-        tokens = x.shape[0]
-        module.mega_moe_pre_dispatch_sm90(
-            x, ids, weights, buf.x, buf.x_sf, buf.topk_idx, buf.topk_weights, tokens
-        )
-        module.fp8_mega_moe(y, (l1w, l1s), (l2w, l2s), buf, **clamp)
-        return y
-
-    return run
-
-
 def grouped_peers(
     layers: list[MegaMoEExperts], ids: torch.Tensor, tokens: int
 ) -> dict[str, Callable[[], None]]:
@@ -231,7 +212,7 @@ def floor_us(name: str, ids: torch.Tensor) -> tuple[int, float]:
 def measure_layer(name: str, counts: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
     max_tokens = max(counts)
     layers = [build_layer(name, 100 + i, max_tokens, "small_batch") for i in range(args.layers)]
-    mega = [megamoe_call(layer) for layer in layers]
+    mega = [bare_megamoe(layer) for layer in layers]
     auto = layer_work(layers[0])
     limit = crossover_tokens(auto, max_tokens)
     print(f"{name}: {args.layers} layers, auto takes the small-batch path up to {limit} tokens",

@@ -193,6 +193,31 @@ def one_rank_experts(
     )
 
 
+def bare_megamoe(
+    experts: MegaMoEExperts,
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """DeepGEMM's two Hopper calls on the experts' kernel weights and buffer, nothing else.
+
+    ``mega_moe_pre_dispatch_sm90`` + ``fp8_mega_moe``, whatever path the experts module
+    would take for the call (no megamoe code in between).
+    """
+    backend: Any = experts.backend
+    module, _ = backend._kernel
+    l1w, l1s, l2w, l2s = backend._layout.pieces
+    buf = backend.symm_buffer.buffer
+    clamp = {} if experts.swiglu_limit is None else {"activation_clamp": experts.swiglu_limit}
+
+    def run(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        y = torch.empty_like(x)
+        module.mega_moe_pre_dispatch_sm90(
+            x, ids, weights, buf.x, buf.x_sf, buf.topk_idx, buf.topk_weights, x.shape[0]
+        )
+        module.fp8_mega_moe(y, (l1w, l1s), (l2w, l2s), buf, **clamp)
+        return y
+
+    return run
+
+
 def parse_format_pairs(text: str) -> list[tuple[WeightFormat, WeightFormat]]:
     """``"fp8_block:mxfp8,bf16:mxfp4"`` -> [(FP8_BLOCK, MXFP8), (BF16, MXFP4)]."""
     pairs = []
