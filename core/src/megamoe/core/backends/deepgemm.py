@@ -291,6 +291,7 @@ class DeepGemmBackend(ExpertsBackend):
         self._clamp: dict[str, float] = {}  # activation_clamp where the experts clamp
         self._dispatch: DispatchBuffer | None = None  # the Hopper buffer's inputs, if as known
         self._small: Any = None  # the small-batch kernels (SmallBatchExperts), where they run
+        self._resident: tuple[torch.Tensor, ...] = ()  # the experts' tensors those kernels read
         self._small_tokens = 0  # calls of up to this many tokens take them
 
     @classmethod
@@ -435,6 +436,7 @@ class DeepGemmBackend(ExpertsBackend):
             self._small_tokens = small_batch.small_batch_tokens(experts, kind)
             if self._small_tokens:
                 self._small = small_batch.shared_kernels(experts, self._small_tokens)
+                self._resident = _resident(experts)  # reloads rewrite them in place
 
     def _buffer(self, module: ModuleType, kind: str, experts: MegaMoEExperts) -> SymmBufferEntry:
         """The cached symmetric buffer for this layer's shape and kind."""
@@ -513,7 +515,7 @@ class DeepGemmBackend(ExpertsBackend):
         kernel, layout = self._checked(experts, hidden_states.shape[0])
         if hidden_states.shape[0] <= self._small_tokens:
             return _launch_on(
-                experts.device, self._small.forward, _resident(experts), hidden_states.contiguous(),
+                experts.device, self._small.forward, self._resident, hidden_states.contiguous(),
                 None, _contiguous_as(topk_weights, torch.float32), topk_ids.contiguous(),
             )  # fmt: skip
         buf = self._entry.buffer  # type: ignore[union-attr]  # _checked: prepared
@@ -535,7 +537,7 @@ class DeepGemmBackend(ExpertsBackend):
         if tokens <= self._small_tokens:
             rows = self._dispatch
             return _launch_on(
-                experts.device, self._small.forward, _resident(experts), rows.x[:tokens],
+                experts.device, self._small.forward, self._resident, rows.x[:tokens],
                 rows.x_scale[:tokens], rows.topk_weights[:tokens], rows.topk_ids[:tokens],
             )  # fmt: skip
         return _launch_on(experts.device, self._launch_dispatched, module, layout, experts, tokens)

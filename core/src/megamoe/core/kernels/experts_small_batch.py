@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 from megamoe.core.kernels.launch import KernelLaunch, eager_key
 from megamoe.core.kernels.requant_codecs import ceil_ue8m0_exponent, ue8m0_reciprocal
 
-__all__ = ["SmallBatchExperts", "Tiles", "tiles_for"]
+__all__ = ["BATCH_TILES", "DECODE_TILES", "SmallBatchExperts", "Tiles", "tiles_for"]
 
 SCALE_BLOCK = 128  # rows and columns per float32 weight scale; columns per token scale
 ACT_GROUP = 64  # columns per power-of-two scale of the intermediate (the Hopper kernel's)
@@ -75,6 +75,10 @@ class Tiles:
     stages: int
 
 
+DECODE_TILES = Tiles(block_m=16, block_n2=64, warps=4, stages=5)
+BATCH_TILES = Tiles(block_m=32, block_n2=128, warps=4, stages=4)
+
+
 def tiles_for(tokens: int) -> Tiles:
     """The tile shape for a call of ``tokens`` tokens (measured on the H200, docs/gpu.md).
 
@@ -84,9 +88,7 @@ def tiles_for(tokens: int) -> Tiles:
     of tokens: 32-token tiles read its weights fewer times (Qwen4-Exp at 1024 tokens: 606 us
     against 980 with 64-token tiles of 8 warps).
     """
-    if tokens < 512:
-        return Tiles(block_m=16, block_n2=64, warps=4, stages=5)
-    return Tiles(block_m=32, block_n2=128, warps=4, stages=4)
+    return DECODE_TILES if tokens < 512 else BATCH_TILES
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_tokens", "first_expert"])
@@ -367,12 +369,13 @@ class SmallBatchExperts:
             pairs, intermediate // ACT_GROUP, dtype=torch.float32, device=device
         )
         self._rows = torch.empty(pairs, hidden, dtype=torch.float32, device=device)
-
-    @property
-    def scratch_bytes(self) -> int:
-        """Bytes of the scratch tensors (activations only)."""
-        parts = (self._table, self._x_fp8, self._x_scale, self._act, self._act_scale, self._rows)
-        return sum(t.numel() * t.element_size() for t in parts)
+        # The constexprs that the layer fixes, made once (eager calls pay host time per launch).
+        experts_pow2 = triton.next_power_of_2(num_experts)
+        self._route_c = {cast: (num_experts, experts_pow2, hidden, cast) for cast in (False, True)}
+        clamp = (swiglu_limit is not None, 0.0 if swiglu_limit is None else swiglu_limit)
+        self._l1_c = (num_experts, top_k, hidden, intermediate, *clamp)
+        self._l2_c = (num_experts, hidden, intermediate)
+        self._combine_c = (num_experts, top_k, hidden, COMBINE_BLOCK)
 
     def forward(
         self,
@@ -413,8 +416,7 @@ class SmallBatchExperts:
         x_fp8, x_scale = self._x_fp8, self._x_scale
         if hidden_scale is not None:  # the router wrote FP8 tokens by the same rule
             x_fp8, x_scale = hidden_states, hidden_scale
-        experts_pow2 = triton.next_power_of_2(self.num_experts)
-        route_c = (self.num_experts, experts_pow2, self.hidden, cast)
+        route_c = self._route_c[cast]
         grid = (1 + (triton.cdiv(tokens, CAST_ROWS) if cast else 0), 1, 1)
         _route(
             _key(route_c, topk_ids, hidden_states),
@@ -424,11 +426,7 @@ class SmallBatchExperts:
             route_c, 4,
         )  # fmt: skip
         active = min(self.num_experts, pairs)
-        limit = self.swiglu_limit
-        l1_c = (
-            self.num_experts, self.top_k, self.hidden, self.intermediate, limit is not None,
-            0.0 if limit is None else limit, tiles.block_m,
-        )  # fmt: skip
+        l1_c = (*self._l1_c, tiles.block_m)
         l1_inputs = (x_fp8, x_scale, w13, w13_scale, topk_weights)
         _l1(
             _key((l1_c, tiles), *l1_inputs),
@@ -436,14 +434,14 @@ class SmallBatchExperts:
             (*l1_inputs, self._table, self._act, self._act_scale, pairs),
             l1_c, tiles.warps, tiles.stages,
         )  # fmt: skip
-        l2_c = (self.num_experts, self.hidden, self.intermediate, tiles.block_m, tiles.block_n2)
+        l2_c = (*self._l2_c, tiles.block_m, tiles.block_n2)
         _l2(
             _key((l2_c, tiles), w2, w2_scale),
             (active, self.hidden // tiles.block_n2, 1), index,
             (self._act, self._act_scale, w2, w2_scale, self._table, self._rows, pairs),
             l2_c, tiles.warps, tiles.stages,
         )  # fmt: skip
-        combine_c = (self.num_experts, self.top_k, self.hidden, COMBINE_BLOCK)
+        combine_c = self._combine_c
         _combine(
             _key(combine_c, topk_ids), (tokens, triton.cdiv(self.hidden, COMBINE_BLOCK), 1),
             index, (self._rows, topk_ids, out, self.first_expert), combine_c, 4,

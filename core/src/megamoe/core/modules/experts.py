@@ -126,8 +126,9 @@ class MegaMoEExperts(ExpertLoading, FixedModule):
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self.experts_path = check_experts_path(experts_path, prefix or type(self).__name__)
         self.backend = layer_backend(backend, self)
-        unavailable = self.backend.small_batch_unavailable(self)
-        if experts_path == PATH_SMALL_BATCH and unavailable is not None:
+        forced = experts_path == PATH_SMALL_BATCH
+        unavailable = self.backend.small_batch_unavailable(self) if forced else None
+        if unavailable is not None:
             raise CapabilityError(
                 f"{self.layout.label}: experts_path='small_batch' cannot run here: "
                 f"{unavailable}; use experts_path='auto' (the small-batch path where it runs) "
