@@ -134,7 +134,9 @@ def test_the_deepgemm_backend_on_a_cpu_tensor_keeps_megamoe(
     layer.load_weights(synthetic_expert_tensors(FMT, 4, 512, 256, seed=0))
     layer.finalize()
     assert layer.backend.path_for(layer, 1) == "megamoe"
-    with pytest.raises(CapabilityError, match=r"on a CUDA device; this layer runs sm90_fp8 on cpu"):
+    with pytest.raises(
+        CapabilityError, match=r"it runs on a CUDA device; this layer's experts are on cpu"
+    ):
         experts("small_batch", backend="deepgemm")
 
 

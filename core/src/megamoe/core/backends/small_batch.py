@@ -22,6 +22,7 @@ dispatch is the communication), block-FP8 on Hopper, without fused shared expert
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megamoe.core.backends.deepgemm_layout import KIND_SM90
-from megamoe.core.modules.experts_backend import PATH_AUTO, PATH_MEGAMOE, PATH_SMALL_BATCH
+from megamoe.core.modules.experts_backend import PATH_MEGAMOE, PATH_SMALL_BATCH
 
 if TYPE_CHECKING:
     from megamoe.core.modules.experts import MegaMoEExperts
@@ -111,12 +112,14 @@ class LayerWork:
         return local_pairs / active if active else 0.0
 
 
+@functools.lru_cache(maxsize=256)
 def crossover_tokens(work: LayerWork, max_tokens: int) -> int:
     """The most tokens per call for which the small-batch path is predicted no slower.
 
     Every call of up to that many tokens takes it: the first token count at which MegaMoE is
     predicted faster, or at which an active expert expects more than ``MAX_ROWS_PER_EXPERT``
-    tokens, ends the range (0: never), capped at ``max_tokens``.
+    tokens, ends the range (0: never), capped at ``max_tokens``. Remembered per layer shape:
+    the layers of a model share a few.
     """
     for tokens in range(1, max_tokens + 1):
         slower = work.predicted_us(SMALL_BATCH_COST, tokens) > work.predicted_us(
@@ -135,24 +138,43 @@ def layer_work(experts: MegaMoEExperts) -> LayerWork:
     )  # fmt: skip
 
 
+def layout_reason(kind: str, where: str, ranks: int, num_shared_experts: int) -> str | None:
+    """Why a layer of this kernel kind, place and expert parallelism has no small-batch path.
+
+    What ``megamoe inspect`` can tell from a checkpoint and a target; None where it has one.
+
+    Args:
+        kind: the DeepGEMM kernel kind the layer runs (``deepgemm.KERNEL_KINDS``).
+        where: the device or target the layer runs on (``cuda:0``, ``sm100``...), for the
+            message.
+        ranks: expert-parallel ranks.
+        num_shared_experts: shared experts fused into the routed experts' kernel.
+    """
+    if kind != KIND_SM90:
+        return (
+            f"it runs the Hopper kernel's block-FP8 layout (sm90_fp8); this layer runs {kind} "
+            f"on {where}"
+        )
+    if ranks > 1:
+        return (
+            f"it runs one rank; this layer's expert-parallel group has {ranks} (there "
+            "MegaMoE's dispatch is the communication)"
+        )
+    if num_shared_experts:
+        return f"it runs routed experts only; this layer fuses {num_shared_experts} shared"
+    return None
+
+
 def unavailable_reason(experts: MegaMoEExperts, kind: str) -> str | None:
     """Why the small-batch path cannot run this layer, None where it can."""
-    if kind != KIND_SM90 or experts.device.type != "cuda":
-        return (
-            f"it runs the Hopper kernel's block-FP8 layout (sm90_fp8) on a CUDA device; this "
-            f"layer runs {kind} on {experts.device}"
-        )
+    if experts.device.type != "cuda":
+        return f"it runs on a CUDA device; this layer's experts are on {experts.device}"
     group = experts.process_group
-    if group is not None and dist.get_world_size(group) > 1:
-        return (
-            f"it runs one rank; this layer's expert-parallel group has "
-            f"{dist.get_world_size(group)} (there MegaMoE's dispatch is the communication)"
-        )
-    if experts.num_shared_experts:
-        return f"it runs routed experts only; this layer fuses {experts.num_shared_experts} shared"
-    if importlib.util.find_spec("triton") is None:
+    ranks = 1 if group is None else dist.get_world_size(group)
+    reason = layout_reason(kind, str(experts.device), ranks, experts.num_shared_experts)
+    if reason is None and importlib.util.find_spec("triton") is None:
         return "Triton is not installed (pip install triton, as CUDA builds of torch have it)"
-    return None
+    return reason
 
 
 def small_batch_tokens(experts: MegaMoEExperts, kind: str) -> int:
@@ -170,8 +192,6 @@ def small_batch_tokens(experts: MegaMoEExperts, kind: str) -> int:
         return 0
     if path == PATH_SMALL_BATCH:
         return experts.max_num_tokens
-    if path != PATH_AUTO:  # the experts module checked it; this keeps the rule total
-        raise ValueError(f"experts_path={path!r} is not one of auto, small_batch, megamoe")
     return crossover_tokens(layer_work(experts), experts.max_num_tokens)
 
 

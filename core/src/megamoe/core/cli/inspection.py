@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from megamoe.core.adapters import ModelAdapter, open_checkpoint
-from megamoe.core.backends.small_batch import LayerWork, crossover_tokens
+from megamoe.core.backends.deepgemm import KERNEL_KINDS
+from megamoe.core.backends.small_batch import LayerWork, crossover_tokens, layout_reason
 from megamoe.core.checkpoint.expert_names import projection_shape, projection_specs
 from megamoe.core.checkpoint.layers import MoELayer
 from megamoe.core.errors import UsageError
-from megamoe.core.numerics.formats import ARCH_SM90, WeightFormat, detect_arch, resolve_formats
+from megamoe.core.numerics.formats import WeightFormat, detect_arch, resolve_formats
 
 EXPERTS_PATH_SCAN = 65536  # the most tokens per call inspect considers for the crossover
 
@@ -89,12 +90,14 @@ class CheckpointPlan:
         MegaMoE takes every call.
         """
         experts, hidden, inter = self.dims
-        small = [p for p in self.layers if p.run_format is WeightFormat.FP8_BLOCK]
-        if self.arch != ARCH_SM90 or self.ep_size != 1 or not small:
-            return (
-                f"MegaMoE for every call (the small-batch path runs fp8_block on sm90 with "
-                f"one rank; here {self.arch}, expert parallel {self.ep_size})"
-            )
+        reasons = {
+            p: layout_reason(KERNEL_KINDS.get((self.arch, p.run_format), "reference"), self.arch,
+                             self.ep_size, 0)
+            for p in self.layers
+        }  # fmt: skip
+        small = [p for p, reason in reasons.items() if reason is None]
+        if not small:
+            return f"MegaMoE for every call (the small-batch path: {next(iter(reasons.values()))})"
         work = LayerWork(experts, experts, self.top_k, hidden, inter)
         tokens = crossover_tokens(work, EXPERTS_PATH_SCAN)
         if tokens == 0:
