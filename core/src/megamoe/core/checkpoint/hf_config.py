@@ -150,10 +150,19 @@ def dense_cause(cfg: MoEConfig, index: int) -> tuple[str, str]:
     return str(cause), str(fix)
 
 
+def defaulted_keys(cfg: MoEConfig) -> Mapping[str, Any]:
+    """``cfg.defaulted``; none for a config class without it."""
+    return getattr(cfg, "defaulted", None) or {}
+
+
+def mtp_count_key(cfg: MoEConfig) -> str:
+    """``cfg.mtp_count_key``; ``num_nextn_predict_layers`` for a config class without it."""
+    return getattr(cfg, "mtp_count_key", "num_nextn_predict_layers")
+
+
 def mtp_count_text(cfg: MoEConfig) -> str:
     """The MTP layer count with the key it came from (or its default), for messages."""
-    key = getattr(cfg, "mtp_count_key", "num_nextn_predict_layers")
-    return key_text(key, cfg.num_nextn_predict_layers, getattr(cfg, "defaulted", {}))
+    return key_text(mtp_count_key(cfg), cfg.num_nextn_predict_layers, defaulted_keys(cfg))
 
 
 def is_composite(config: Mapping[str, Any]) -> bool:

@@ -63,9 +63,11 @@ from megamoe.core.checkpoint.files import (
 )
 from megamoe.core.checkpoint.hf_config import (
     MoEConfig,
+    defaulted_keys,
     defaults_note,
     dense_cause,
     key_text,
+    mtp_count_key,
     mtp_count_text,
 )
 from megamoe.core.checkpoint.layers import (
@@ -207,7 +209,7 @@ class CheckpointReader:
         try:
             yield
         except CheckpointError as err:
-            defaulted = getattr(cfg, "defaulted", None)
+            defaulted = defaulted_keys(cfg) if cfg is not None else {}
             if not defaulted or isinstance(err, UnsupportedCheckpointError):
                 raise
             model = getattr(cfg, "model_type", None) or "model"
@@ -229,16 +231,21 @@ class CheckpointReader:
             adapter.mtp_block_prefix(cfg, decoder, j) for j in range(cfg.num_nextn_predict_layers)
         }
         stacks = {decoder, adapter.mtp_block_prefix(cfg, decoder, 0).rsplit(".", 2)[0]}
-        for name in sorted(self.weight_map):
+        undeclared: dict[str, tuple[str, int]] = {}  # name -> its block and layer index
+        for name in self.weight_map:  # one pass, no sort of every name: the first offender
             match = _MLP_MODULE.match(name)
             if match is None or match["stack"] not in stacks or match["module"] not in MOE_MODULES:
                 continue
             block = f"{match['stack']}.{match['index']}.{MLP}"
             if block not in declared:
-                raise CheckpointError(
-                    f"{self.path / CONFIG_FILE}: {block} holds MoE tensors (e.g. {name!r}), "
-                    + _undeclared_why(adapter, cfg, decoder, block, int(match["index"]))
-                )
+                undeclared[name] = (block, int(match["index"]))
+        if undeclared:
+            name = min(undeclared)
+            block, index = undeclared[name]
+            raise CheckpointError(
+                f"{self.path / CONFIG_FILE}: {block} holds MoE tensors (e.g. {name!r}), "
+                + _undeclared_why(adapter, cfg, decoder, block, index)
+            )
 
     def _config_checked(self, read: Callable[..., _T], *args: Any) -> _T:
         """``read(config, *args)``, its config errors as ``CheckpointError`` naming the file.
@@ -716,14 +723,14 @@ def _undeclared_why(
             "shared expert)"
         )
     count = cfg.num_nextn_predict_layers
-    key = getattr(cfg, "mtp_count_key", "num_nextn_predict_layers")
+    key = mtp_count_key(cfg)
     for j in (index, index - layers):
         if j >= count and adapter.mtp_block_prefix(cfg, decoder, j) == block:
             return (
                 f"of MTP layer {j}, but {mtp_count_text(cfg)} counts {count} MTP layer(s), so "
                 f"{passed}; set {key} to {j + 1} in config.json, or remove the tensors"
             )
-    counted = key_text("num_hidden_layers", layers, getattr(cfg, "defaulted", {}))
+    counted = key_text("num_hidden_layers", layers, defaulted_keys(cfg))
     return (
         f"but it is no layer config.json declares ({counted}, "
         f"{mtp_count_text(cfg)}), so {passed}; fix the layer counts in config.json, or use "
