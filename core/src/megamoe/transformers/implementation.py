@@ -19,7 +19,12 @@ from transformers.integrations.moe import ExpertsInterface
 
 from megamoe.core.modules.experts import MegaMoEExperts
 from megamoe.core.numerics.formats import ARCH_REFERENCE, WeightFormat, detect_arch, resolve_formats
-from megamoe.transformers.loaded_experts import LoadedExperts, is_experts_module, read_experts
+from megamoe.transformers.loaded_experts import (
+    ROUNDED_TO_BF16,
+    LoadedExperts,
+    is_experts_module,
+    read_experts,
+)
 
 IMPLEMENTATION = "megamoe"  # the experts_implementation name
 CHILD = "megamoe"  # the experts module's child that holds megamoe's experts
@@ -145,7 +150,7 @@ def build_experts(
 
 def _warn_rounding(loaded: LoadedExperts, run_format: WeightFormat) -> None:
     """Warn (once per dtype and run format: the text names no layer) of the BF16 rounding."""
-    if loaded.source_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+    if loaded.source_dtype not in ROUNDED_TO_BF16:
         return
     then = "" if run_format is WeightFormat.BF16 else f" (then as {run_format.value})"
     warnings.warn(

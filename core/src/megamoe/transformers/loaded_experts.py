@@ -166,7 +166,7 @@ def read_experts(module: torch.nn.Module, name: str) -> LoadedExperts:
 def _stored_format(module: torch.nn.Module, name: str, gate_up: torch.Tensor) -> WeightFormat:
     """``bf16`` or ``fp8_block`` from the weights' dtype and, for FP8, its scale settings."""
     cls = type(module).__name__
-    if gate_up.dtype == torch.bfloat16 or gate_up.dtype in ROUNDED_TO_BF16:
+    if gate_up.dtype in (torch.bfloat16, *ROUNDED_TO_BF16):
         return WeightFormat.BF16
     if gate_up.dtype != torch.float8_e4m3fn:
         raise TypeError(
