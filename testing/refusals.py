@@ -42,6 +42,16 @@ def edit_tensors(ckpt: Path, change: Callable[[dict[str, Any]], object]) -> None
     save_file(tensors, ckpt / SINGLE_FILE)
 
 
+def drop_tensors(ckpt: Path, parts: tuple[str, ...]) -> None:
+    """Delete every tensor whose name holds one of ``parts`` (e.g. a model's MoE modules)."""
+
+    def change(tensors: dict[str, Any]) -> None:
+        for name in [n for n in tensors if any(part in n for part in parts)]:
+            del tensors[name]
+
+    edit_tensors(ckpt, change)
+
+
 def error_line(text: str) -> str:
     """The one ``megamoe <command>: error:`` line of ``text`` (asserted to be one)."""
     lines = [line for line in text.splitlines() if ": error: " in line]

@@ -9,15 +9,15 @@ the family), MoE tensors of an MTP index the config does not count, a size key l
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from refusals import assert_refused_everywhere, edit_config, edit_tensors
+from refusals import assert_refused_everywhere, drop_tensors, edit_config, edit_tensors
 
 from megamoe.core.adapters import SyntheticSizes
+from megamoe.core.checkpoint.reader import read_config
 from megamoe.core.cli import main as cli
 from megamoe.core.errors import NoMoELayerError
 from megamoe.core.testing import write_synthetic_checkpoint
@@ -181,20 +181,12 @@ def test_a_defaulted_size_key_is_named(
         assert "so megamoe assumed transformers' glm5_next default(s)" in message, message
 
 
-def _dense_only(ckpt: Path) -> None:
-    def change(tensors: dict[str, torch.Tensor]) -> None:
-        for name in [n for n in tensors if any(part in n for part in MOE_PARTS)]:
-            del tensors[name]
-
-    edit_tensors(ckpt, change)
-
-
 @pytest.mark.parametrize("rule", ["mlp_layer_types", "default"])
 def test_a_checkpoint_with_no_moe_layer_is_named_so(
     tmp_path: Path, rule: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     ckpt = _checkpoint(tmp_path)
-    _dense_only(ckpt)
+    drop_tensors(ckpt, MOE_PARTS)
 
     def change(config: dict[str, Any]) -> None:
         config["num_nextn_predict_layers"] = 0
@@ -218,4 +210,4 @@ def test_a_checkpoint_with_no_moe_layer_is_named_so(
         NoMoELayerError,
     )
     with pytest.raises(NoMoELayerError, match="the checkpoint has no MoE layer"):
-        ADAPTER.moe_layers(json.loads((ckpt / "config.json").read_text()))
+        ADAPTER.moe_layers(read_config(ckpt))

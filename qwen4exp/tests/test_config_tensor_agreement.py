@@ -9,15 +9,14 @@ layer sparse), MoE tensors of an MTP index the config does not count, a size key
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from refusals import assert_refused_everywhere, edit_config, edit_tensors
+from refusals import assert_refused_everywhere, drop_tensors, edit_config
 
 from megamoe.core.adapters import SyntheticSizes
+from megamoe.core.checkpoint.reader import read_config
 from megamoe.core.cli import main as cli
 from megamoe.core.errors import NoMoELayerError
 from megamoe.core.testing import write_synthetic_checkpoint
@@ -73,7 +72,7 @@ def test_the_defaults_make_every_layer_sparse(tmp_path: Path, family: str) -> No
     keys = {"decoder_sparse_step": None} if family == "qwen3_next" else {}
     ckpt = _checkpoint(tmp_path, **keys)
     assert cli.main(["inspect", str(ckpt)]) == 0
-    assert [m.index for m in ADAPTER.moe_layers(json.loads((ckpt / "config.json").read_text()))]
+    assert [m.index for m in ADAPTER.moe_layers(read_config(ckpt))]
 
 
 def test_experts_of_an_mtp_index_the_config_does_not_count(
@@ -126,12 +125,7 @@ def test_a_checkpoint_with_no_moe_layer_is_named_so(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     ckpt = _checkpoint(tmp_path, mlp_only_layers=[0, 1], mtp_num_hidden_layers=0)
-
-    def change(tensors: dict[str, torch.Tensor]) -> None:
-        for name in [n for n in tensors if any(part in n for part in MOE_PARTS)]:
-            del tensors[name]
-
-    edit_tensors(ckpt, change)
+    drop_tensors(ckpt, MOE_PARTS)
     assert_refused_everywhere(
         ckpt,
         r"the checkpoint has no MoE layer: each of its 2 decoder layer\(s\) is dense by "
@@ -141,4 +135,4 @@ def test_a_checkpoint_with_no_moe_layer_is_named_so(
         NoMoELayerError,
     )
     with pytest.raises(NoMoELayerError, match="the checkpoint has no MoE layer"):
-        ADAPTER.moe_layers(json.loads((ckpt / "config.json").read_text()))
+        ADAPTER.moe_layers(read_config(ckpt))
