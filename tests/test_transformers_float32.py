@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 from model_agreement import (
+    LOGITS_TOL,
+    MIN_PROMPTS,
+    ROUTING_MARGIN,
     TWO_MOE_LAYERS,
     away_from_ties,
     candidate_prompts,
@@ -27,9 +30,6 @@ import megamoe.transformers
 from megamoe.core.modules.experts import MegaMoEExperts
 from megamoe.core.numerics.formats import WeightFormat
 
-LOGITS_TOL = 1e-2  # the bf16 tolerance of test_transformers_experts
-ROUTING_MARGIN = {"qwen4_exp": 2e-3, "glm5_next": 6e-3}  # as test_transformers_experts
-MIN_PROMPTS = 3
 ROUNDING = "their weights and the tokens they get are rounded to bfloat16"
 
 
