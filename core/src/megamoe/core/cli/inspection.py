@@ -16,6 +16,7 @@ from megamoe.core.adapters import ModelAdapter, open_checkpoint
 from megamoe.core.backends.deepgemm import KERNEL_KINDS
 from megamoe.core.backends.small_batch import LayerWork, crossover_tokens, layout_reason
 from megamoe.core.checkpoint.expert_names import projection_shape, projection_specs
+from megamoe.core.checkpoint.hf_config import defaulted_keys
 from megamoe.core.checkpoint.layers import MoELayer
 from megamoe.core.errors import UsageError
 from megamoe.core.numerics.formats import WeightFormat, detect_arch, resolve_formats
@@ -195,7 +196,7 @@ def plan_checkpoint(
         arch=arch,
         ep_size=ep_size,
         layers=tuple(plans),
-        defaulted=dict(getattr(cfg, "defaulted", {})),
+        defaulted=dict(defaulted_keys(cfg)),
         top_k=cfg.num_experts_per_tok,
     )
 
