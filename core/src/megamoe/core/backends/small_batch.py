@@ -59,9 +59,10 @@ class PathCost:
     flops: float
 
 
-# Fitted to bench_decode.py's graphed medians of both real layers on one H200 (docs/gpu.md):
-# the small-batch path at 1-256 tokens and Qwen4-Exp's 1024, MegaMoE at 1-1024 tokens.
-SMALL_BATCH_COST = PathCost(fixed_us=22.0, per_slot_us=0.0, bandwidth=3.47e12, flops=5.4e14)
+# Fitted to graphed medians of both real layers on one H200 (docs/gpu.md): the small-batch
+# path at 1-256 tokens and Qwen4-Exp's 1024 (GLM-5.3-Flash's to 64, within 10%), MegaMoE at
+# 1-1024 tokens.
+SMALL_BATCH_COST = PathCost(fixed_us=18.3, per_slot_us=0.0, bandwidth=4.12e12, flops=2.71e14)
 MEGAMOE_COST = PathCost(fixed_us=60.0, per_slot_us=0.031, bandwidth=4.56e12, flops=4.7e14)
 # Tokens per tile of the small-batch kernels from 512 tokens (kernels.experts_small_batch
 # tiles_for): more per active expert and they stream its weights again per tile (Qwen4-Exp

@@ -2,34 +2,37 @@
 
 DeepGEMM's MegaMoE kernel costs 110-175 us per layer on one H200 rank whatever the batch
 (its dispatch, barriers and persistent schedule), more than reading a decode step's active
-experts takes. This path runs the same layer in four Triton launches over the experts' own
-resident tensors (no second copy of any weight):
+experts takes. This path runs the same layer in three or four Triton launches over the
+experts' own resident tensors (no second copy of any weight):
 
-1. **route** (one program, plus row programs): the (token, slot) pairs of each local expert,
+1. **route** (program 0, plus cast programs): the (token, slot) pairs of each local expert,
    grouped by expert (counts, offsets, the pairs in expert order, the list of experts that
    have any), and the tokens cast to FP8 E4M3 with a float32 scale per 128 columns, the
-   dispatch buffer's rule (skipped when the router already wrote them there);
+   dispatch buffer's rule, one program per 128 columns of 4 tokens (no cast when the router
+   already wrote them there). Up to ``SCAN_PAIRS`` pairs of such FP8 tokens there is no
+   route launch: each l1 and l2 program scans the ids for its expert's pairs itself, and
+   the first pair of each expert leads it;
 2. **l1** (a program per active expert and 64 intermediate columns): the gate and up rows
    of the block-FP8 ``w13`` (stored with gate and up rows interleaved in groups of 8,
    ``l1_order``) against the expert's tokens, 128x128 float32 block scales, SwiGLU with the
    layer's clamp, times the top-k weight, cast to FP8 with a power-of-two scale per 64
    columns (the Hopper kernel's rounding of its intermediate);
-3. **l2** (a program per active expert and ``BLOCK_N2`` hidden columns): ``w2`` against
+3. **l2** (a program per active expert and ``block_n2`` hidden columns): ``w2`` against
    those rows, one float32 row per (token, slot);
 4. **combine** (a program per token and 1024 columns): the slots' rows summed in slot order,
    unused and other ranks' slots skipped, rounded to bf16.
 
 Every active expert's weights are read once per call, whatever the number of its tokens
-(its tokens are tiles of ``BLOCK_M`` rows inside one program). The numerics are the Hopper
+(its tokens are tiles of ``block_m`` rows inside one program). The numerics are the Hopper
 kernel's, so the reference backend's emulation (``emulate_kernel=True``) is the oracle of
 both; the GEMMs accumulate in another order than the kernel's (float32 sums, so outputs
 agree within the kernel's tolerance, not bit for bit). The result does not depend on which
-order the route step lists an expert's pairs in (each row's sums are its own), so a replay
-of a CUDA graph gives the bits of the eager call.
+order an expert's pairs are listed in (each row's sums are its own), so a replay of a CUDA
+graph gives the bits of the eager call.
 
-The grid is fixed by the token count (the largest possible number of active experts), so a
-CUDA graph captures one launch sequence per token count; programs beyond the call's active
-experts return at once. No host sync.
+The grid is fixed by the token count (the largest possible number of active experts, or
+of pairs when scanning), so a CUDA graph captures one launch sequence per token count;
+programs beyond the call's active experts return at once. No host sync.
 """
 
 from __future__ import annotations
@@ -67,16 +70,24 @@ _ACT_AMAX_FLOOR = tl.constexpr(ACT_AMAX_FLOOR)
 
 @dataclass(frozen=True)
 class Tiles:
-    """One call size's tile shape: tokens per tile, l2's output columns, warps and stages."""
+    """One call size's tiles: tokens per tile, l2's output columns, warps, stages, l2 step.
+
+    ``l2_step``: groups of 64 intermediate columns each l2 loop step loads, their loads
+    issued together (with 2, a ``w2`` row's 64-byte pieces are read as 128-byte ones).
+    """
 
     block_m: int
     block_n2: int
     warps: int
     stages: int
+    l2_step: int
 
 
-DECODE_TILES = Tiles(block_m=16, block_n2=64, warps=4, stages=5)
-BATCH_TILES = Tiles(block_m=32, block_n2=128, warps=4, stages=4)
+DECODE_TILES = Tiles(block_m=16, block_n2=64, warps=4, stages=5, l2_step=2)
+BATCH_TILES = Tiles(block_m=32, block_n2=128, warps=4, stages=4, l2_step=1)
+# Up to this many (token, slot) pairs, when the router already wrote the FP8 tokens, the l1
+# and l2 programs find their expert's pairs by scanning the ids: no route launch at all.
+SCAN_PAIRS = 64
 
 
 def tiles_for(tokens: int) -> Tiles:
@@ -84,9 +95,12 @@ def tiles_for(tokens: int) -> Tiles:
 
     Decode sizes put one or two tokens on most experts: 16-token tiles waste least, and
     l2 programs of 64 columns with 5 stages in flight streamed best (within 4% of the best of
-    the ten shapes tried at 1-256 tokens on both real layers). From 512 tokens an expert holds tens
-    of tokens: 32-token tiles read its weights fewer times (Qwen4-Exp at 1024 tokens: 606 us
-    against 980 with 64-token tiles of 8 warps).
+    the ten shapes tried at 1-256 tokens on both real layers). Loading two 64-column groups
+    per l2 step took GLM-5.3-Flash's l2 (rows of 2048 bytes) from 292 to 210 us at 16 tokens
+    and its layer from 1.38x to 1.23x the floor (eight shapes tried at 1-256 tokens); two
+    128-column blocks per l1 step were slower on both layers. From 512 tokens an expert holds
+    tens of tokens: 32-token tiles read its weights fewer times (Qwen4-Exp at 1024 tokens:
+    606 us against 980 with 64-token tiles of 8 warps).
     """
     return DECODE_TILES if tokens < 512 else BATCH_TILES
 
@@ -106,25 +120,25 @@ def _route_kernel(
     HIDDEN: tl.constexpr,
     CAST: tl.constexpr,
 ) -> None:
-    """Program 0 groups the pairs by expert; programs 1.. cast ``CAST_ROWS`` tokens each.
+    """Program 0 groups the pairs by expert; programs 1.. cast 128 columns of 4 tokens each.
 
     ``table``: counts (E), offsets (E), active experts (E), their number (1), each pair's
     rank within its expert (pairs), the pairs in expert order (pairs); int32.
     """
     pid = tl.program_id(0)
     if pid > 0:
-        if CAST:
-            rows = (pid - 1) * _CAST_ROWS + tl.arange(0, _CAST_ROWS)
+        if CAST:  # one block of 128 columns of CAST_ROWS tokens: one load, one store
+            KB: tl.constexpr = HIDDEN // 128
+            kb = (pid - 1) % KB
+            rows = ((pid - 1) // KB) * _CAST_ROWS + tl.arange(0, _CAST_ROWS)
             rows_ok = rows < num_tokens
-            for kb in range(HIDDEN // 128):
-                cols = kb * 128 + tl.arange(0, 128)
-                at = rows[:, None].to(tl.int64) * HIDDEN + cols[None, :]
-                x = tl.load(x_ptr + at, mask=rows_ok[:, None], other=0.0).to(tl.float32)
-                amax = tl.maximum(tl.max(tl.abs(x), axis=1), _TOKEN_AMAX_FLOOR)
-                scale = tl.math.div_rn(amax, _E4M3_MAX)
-                x_fp8 = (x * tl.math.div_rn(1.0, scale)[:, None]).to(tl.float8e4nv)
-                tl.store(x_fp8_ptr + at, x_fp8, mask=rows_ok[:, None])
-                tl.store(x_scale_ptr + rows * (HIDDEN // 128) + kb, scale, mask=rows_ok)
+            at = rows[:, None].to(tl.int64) * HIDDEN + kb * 128 + tl.arange(0, 128)[None, :]
+            x = tl.load(x_ptr + at, mask=rows_ok[:, None], other=0.0).to(tl.float32)
+            amax = tl.maximum(tl.max(tl.abs(x), axis=1), _TOKEN_AMAX_FLOOR)
+            scale = tl.math.div_rn(amax, _E4M3_MAX)
+            x_fp8 = (x * tl.math.div_rn(1.0, scale)[:, None]).to(tl.float8e4nv)
+            tl.store(x_fp8_ptr + at, x_fp8, mask=rows_ok[:, None])
+            tl.store(x_scale_ptr + rows * KB + kb, scale, mask=rows_ok)
         return
     counts_ptr = table_ptr
     offsets_ptr = table_ptr + NUM_EXPERTS
@@ -161,27 +175,64 @@ def _route_kernel(
 
 
 @triton.jit
-def _expert_rows(
+def _listed_expert(
     table_ptr: tl.tensor, slot: int, num_pairs: int, NUM_EXPERTS: tl.constexpr
 ) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
-    """Active expert ``slot``: its id, its pairs' count, where its pairs start in the table."""
+    """The route table's active expert ``slot``: id, pairs' count, where its pairs start."""
     expert = tl.load(table_ptr + 2 * NUM_EXPERTS + slot)
     first = tl.load(table_ptr + NUM_EXPERTS + expert)
     sorted_ptr = table_ptr + 3 * NUM_EXPERTS + 1 + num_pairs + first
     return expert, tl.load(table_ptr + expert), sorted_ptr
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit
+def _scanned_expert(
+    ids_ptr: tl.tensor,
+    pair: int,
+    num_pairs: int,
+    first_expert: int,
+    NUM_EXPERTS: tl.constexpr,
+    PAIRS: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor, tl.tensor, tl.tensor, tl.tensor, tl.tensor]:
+    """Pair ``pair``'s local expert found by scanning every pair's id (no route table).
+
+    Returns whether the program skips (``pair`` is unused, another rank's, or not the first
+    pair of its expert: the first leads, so each expert is one program's), the expert, which
+    pairs are its (a mask over ``arange(PAIRS)``), their ranks among them, their count and
+    that arange.
+    """
+    expert = tl.load(ids_ptr + pair).to(tl.int32) - first_expert
+    q = tl.arange(0, PAIRS)
+    ids = tl.load(ids_ptr + q, mask=q < num_pairs, other=-1).to(tl.int32) - first_expert
+    mine = (ids == expert) & (q < num_pairs)
+    leader = tl.min(tl.where(mine, q, PAIRS), 0)
+    skip = (expert < 0) | (expert >= NUM_EXPERTS) | (leader != pair)
+    rank = tl.cumsum(mine.to(tl.int32), 0) - 1
+    return skip, expert, mine, rank, tl.sum(mine.to(tl.int32), 0), q
+
+
+@triton.jit
+def _scanned_rows(
+    mine: tl.tensor, rank: tl.tensor, q: tl.tensor, m0: int, BLOCK_M: tl.constexpr
+) -> tl.tensor:
+    """The pairs of ranks ``m0 .. m0 + BLOCK_M`` among an expert's (``_scanned_expert``)."""
+    m = m0 + tl.arange(0, BLOCK_M)
+    return tl.sum(tl.where(mine[None, :] & (rank[None, :] == m[:, None]), q[None, :], 0), 1)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "first_expert"])
 def _l1_kernel(
-    x_fp8_ptr: tl.tensor,
+    x_ptr: tl.tensor,
     x_scale_ptr: tl.tensor,
     w13_ptr: tl.tensor,
     w13_scale_ptr: tl.tensor,
     weights_ptr: tl.tensor,
+    ids_ptr: tl.tensor,
     table_ptr: tl.tensor,
     act_ptr: tl.tensor,
     act_scale_ptr: tl.tensor,
     num_pairs: int,
+    first_expert: int,
     NUM_EXPERTS: tl.constexpr,
     TOP_K: tl.constexpr,
     HIDDEN: tl.constexpr,
@@ -189,13 +240,27 @@ def _l1_kernel(
     CLAMP: tl.constexpr,
     LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    SCAN: tl.constexpr,
+    PAIRS: tl.constexpr,
 ) -> None:
-    """Active expert ``program_id(0)``'s 64 intermediate columns ``program_id(1)``."""
-    slot = tl.program_id(0)
-    if slot >= tl.load(table_ptr + 3 * NUM_EXPERTS):
-        return
+    """One expert's 64 intermediate columns ``program_id(1)``.
+
+    The expert: the route table's active expert ``program_id(0)``, or with ``SCAN`` the one
+    that pair ``program_id(0)`` leads.
+    """
+    if SCAN:
+        skip, expert, mine, rank, count, q = _scanned_expert(
+            ids_ptr, tl.program_id(0), num_pairs, first_expert, NUM_EXPERTS, PAIRS
+        )
+        if skip:
+            return
+    else:
+        if tl.program_id(0) >= tl.load(table_ptr + 3 * NUM_EXPERTS):
+            return
+        expert, count, sorted_ptr = _listed_expert(
+            table_ptr, tl.program_id(0), num_pairs, NUM_EXPERTS
+        )
     tile = tl.program_id(1)
-    expert, count, sorted_ptr = _expert_rows(table_ptr, slot, num_pairs, NUM_EXPERTS)
     KB: tl.constexpr = HIDDEN // 128
     n = tile * 64 + tl.arange(0, 64)
     k = tl.arange(0, 128)
@@ -208,15 +273,17 @@ def _l1_kernel(
     rows = tile * 128 + tl.arange(0, 128)
     is_gate = (tl.arange(0, 128) // 8) % 2 == 0
     for m0 in range(0, count, BLOCK_M):
-        m = m0 + tl.arange(0, BLOCK_M)
-        m_ok = m < count
-        pair = tl.load(sorted_ptr + m, mask=m_ok, other=0)
+        m_ok = m0 + tl.arange(0, BLOCK_M) < count
+        if SCAN:
+            pair = _scanned_rows(mine, rank, q, m0, BLOCK_M)
+        else:
+            pair = tl.load(sorted_ptr + m0 + tl.arange(0, BLOCK_M), mask=m_ok, other=0)
         token = (pair // TOP_K).to(tl.int64)
         acc = tl.zeros([128, BLOCK_M], tl.float32)
         for kb in range(KB):
             cols = kb * 128 + k
             w = tl.load(w_base + rows[:, None] * HIDDEN + cols[None, :])
-            x_at = x_fp8_ptr + token[:, None] * HIDDEN + cols[None, :]
+            x_at = x_ptr + token[:, None] * HIDDEN + cols[None, :]
             x_t = tl.trans(tl.load(x_at, mask=m_ok[:, None], other=0.0))
             x_scale = tl.load(x_scale_ptr + token * KB + kb, mask=m_ok, other=0.0)
             w_scale = tl.where(is_gate, tl.load(gate_scales + kb), tl.load(up_scales + kb))
@@ -239,27 +306,43 @@ def _l1_kernel(
         tl.store(act_scale_ptr + pair * (INTERMEDIATE // 64) + tile, act_scale, mask=m_ok)
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs", "first_expert"])
 def _l2_kernel(
     act_ptr: tl.tensor,
     act_scale_ptr: tl.tensor,
     w2_ptr: tl.tensor,
     w2_scale_ptr: tl.tensor,
+    ids_ptr: tl.tensor,
     table_ptr: tl.tensor,
     y_ptr: tl.tensor,
     num_pairs: int,
+    first_expert: int,
     NUM_EXPERTS: tl.constexpr,
     HIDDEN: tl.constexpr,
     INTERMEDIATE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STEP: tl.constexpr,
+    SCAN: tl.constexpr,
+    PAIRS: tl.constexpr,
 ) -> None:
-    """Active expert ``program_id(0)``'s ``BLOCK_N`` output columns ``program_id(1)``."""
-    slot = tl.program_id(0)
-    if slot >= tl.load(table_ptr + 3 * NUM_EXPERTS):
-        return
+    """One expert's ``BLOCK_N`` output columns ``program_id(1)`` (the expert as in l1).
+
+    ``STEP`` groups of 64 intermediate columns per loop step.
+    """
+    if SCAN:
+        skip, expert, mine, rank, count, q = _scanned_expert(
+            ids_ptr, tl.program_id(0), num_pairs, first_expert, NUM_EXPERTS, PAIRS
+        )
+        if skip:
+            return
+    else:
+        if tl.program_id(0) >= tl.load(table_ptr + 3 * NUM_EXPERTS):
+            return
+        expert, count, sorted_ptr = _listed_expert(
+            table_ptr, tl.program_id(0), num_pairs, NUM_EXPERTS
+        )
     tile = tl.program_id(1)
-    expert, count, sorted_ptr = _expert_rows(table_ptr, slot, num_pairs, NUM_EXPERTS)
     KS: tl.constexpr = INTERMEDIATE // 128
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, 64)
@@ -267,17 +350,22 @@ def _l2_kernel(
     scales = w2_scale_ptr + expert.to(tl.int64) * (HIDDEN // 128) * KS
     scales += ((tile * BLOCK_N) // 128) * KS
     for m0 in range(0, count, BLOCK_M):
-        m = m0 + tl.arange(0, BLOCK_M)
-        m_ok = m < count
-        pair = tl.load(sorted_ptr + m, mask=m_ok, other=0).to(tl.int64)
+        m_ok = m0 + tl.arange(0, BLOCK_M) < count
+        if SCAN:
+            pair = _scanned_rows(mine, rank, q, m0, BLOCK_M).to(tl.int64)
+        else:
+            pair = tl.load(sorted_ptr + m0 + tl.arange(0, BLOCK_M), mask=m_ok, other=0)
+            pair = pair.to(tl.int64)
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        for kb in range(INTERMEDIATE // 64):
-            cols = kb * 64 + k
-            act_at = act_ptr + pair[:, None] * INTERMEDIATE + cols[None, :]
-            act_t = tl.trans(tl.load(act_at, mask=m_ok[:, None], other=0.0))
-            act_scale = tl.load(act_scale_ptr + pair * (INTERMEDIATE // 64) + kb, mask=m_ok)
-            w = tl.load(w_base + n[:, None] * INTERMEDIATE + cols[None, :])
-            acc += tl.dot(w, act_t) * (act_scale[None, :] * tl.load(scales + kb // 2))
+        for kb0 in range(0, INTERMEDIATE // 64, STEP):
+            for step in tl.static_range(STEP):
+                kb = kb0 + step
+                cols = kb * 64 + k
+                act_at = act_ptr + pair[:, None] * INTERMEDIATE + cols[None, :]
+                act_t = tl.trans(tl.load(act_at, mask=m_ok[:, None], other=0.0))
+                act_scale = tl.load(act_scale_ptr + pair * (INTERMEDIATE // 64) + kb, mask=m_ok)
+                w = tl.load(w_base + n[:, None] * INTERMEDIATE + cols[None, :])
+                acc += tl.dot(w, act_t) * (act_scale[None, :] * tl.load(scales + kb // 2))
         tl.store(y_ptr + pair[None, :] * HIDDEN + n[:, None], acc, mask=m_ok[None, :])
 
 
@@ -314,8 +402,8 @@ def _key(constexprs: Hashable, *inputs: torch.Tensor) -> Hashable | None:
 
 
 _route = KernelLaunch(_route_kernel, runtime_args=8)
-_l1 = KernelLaunch(_l1_kernel, runtime_args=9)
-_l2 = KernelLaunch(_l2_kernel, runtime_args=7)
+_l1 = KernelLaunch(_l1_kernel, runtime_args=11)
+_l2 = KernelLaunch(_l2_kernel, runtime_args=9)
 _combine = KernelLaunch(_combine_kernel, runtime_args=4)
 
 
@@ -413,32 +501,37 @@ class SmallBatchExperts:
         pairs, index = tokens * self.top_k, topk_ids.device.index
         tiles = tiles_for(tokens)
         cast = hidden_scale is None
-        x_fp8, x_scale = self._x_fp8, self._x_scale
+        x, x_scale = self._x_fp8, self._x_scale
         if hidden_scale is not None:  # the router wrote FP8 tokens by the same rule
-            x_fp8, x_scale = hidden_states, hidden_scale
-        route_c = self._route_c[cast]
-        grid = (1 + (triton.cdiv(tokens, CAST_ROWS) if cast else 0), 1, 1)
-        _route(
-            _key(route_c, topk_ids, hidden_states),
-            grid, index,
-            (topk_ids, self._table, hidden_states, self._x_fp8, self._x_scale, pairs, tokens,
-             self.first_expert),
-            route_c, 4,
-        )  # fmt: skip
-        active = min(self.num_experts, pairs)
-        l1_c = (*self._l1_c, tiles.block_m)
-        l1_inputs = (x_fp8, x_scale, w13, w13_scale, topk_weights)
+            x, x_scale = hidden_states, hidden_scale
+        scan = not cast and pairs <= SCAN_PAIRS
+        if scan:  # l1 and l2 find the pairs themselves
+            programs, scan_pairs = pairs, max(16, triton.next_power_of_2(pairs))
+        else:
+            route_c = self._route_c[cast]
+            casts = triton.cdiv(tokens, CAST_ROWS) * (self.hidden // SCALE_BLOCK) if cast else 0
+            _route(
+                _key(route_c, topk_ids, hidden_states),
+                (1 + casts, 1, 1), index,
+                (topk_ids, self._table, hidden_states, self._x_fp8, self._x_scale, pairs,
+                 tokens, self.first_expert),
+                route_c, 4,
+            )  # fmt: skip
+            programs, scan_pairs = min(self.num_experts, pairs), 16
+        l1_c = (*self._l1_c, tiles.block_m, scan, scan_pairs)
+        l1_inputs = (x, x_scale, w13, w13_scale, topk_weights, topk_ids)
         _l1(
             _key((l1_c, tiles), *l1_inputs),
-            (active, self.intermediate // BLOCK_N1, 1), index,
-            (*l1_inputs, self._table, self._act, self._act_scale, pairs),
+            (programs, self.intermediate // BLOCK_N1, 1), index,
+            (*l1_inputs, self._table, self._act, self._act_scale, pairs, self.first_expert),
             l1_c, tiles.warps, tiles.stages,
         )  # fmt: skip
-        l2_c = (*self._l2_c, tiles.block_m, tiles.block_n2)
+        l2_c = (*self._l2_c, tiles.block_m, tiles.block_n2, tiles.l2_step, scan, scan_pairs)
         _l2(
-            _key((l2_c, tiles), w2, w2_scale),
-            (active, self.hidden // tiles.block_n2, 1), index,
-            (self._act, self._act_scale, w2, w2_scale, self._table, self._rows, pairs),
+            _key((l2_c, tiles), w2, w2_scale, topk_ids),
+            (programs, self.hidden // tiles.block_n2, 1), index,
+            (self._act, self._act_scale, w2, w2_scale, topk_ids, self._table, self._rows, pairs,
+             self.first_expert),
             l2_c, tiles.warps, tiles.stages,
         )  # fmt: skip
         combine_c = self._combine_c
