@@ -157,6 +157,8 @@ def test_the_option_sets_how_many_tokens_take_the_path(
         "megamoe" if path == "megamoe" else "small_batch"
     )
     assert layer.backend.path_for(layer, expected + 1) == "megamoe"
+    # An empty call takes the small path only where the layer has one (MegaMoE runs it too).
+    assert layer.backend.path_for(layer, 0) == ("small_batch" if expected else "megamoe")
 
 
 def test_several_ranks_keep_megamoe(monkeypatch: pytest.MonkeyPatch) -> None:

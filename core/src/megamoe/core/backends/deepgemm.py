@@ -381,7 +381,8 @@ class DeepGemmBackend(ExpertsBackend):
             limit = small_batch.small_batch_tokens(experts, kind)
         else:
             limit = self._small_tokens
-        return small_batch.PATH_SMALL_BATCH if tokens <= limit else small_batch.PATH_MEGAMOE
+        small = 0 < limit and tokens <= limit  # a limit of 0: no small path, even for 0 tokens
+        return small_batch.PATH_SMALL_BATCH if small else small_batch.PATH_MEGAMOE
 
     def l1_row_order(self, experts: MegaMoEExperts) -> L1RowOrder:
         """Gate and up rows interleaved in groups of 8: what every MegaMoE kernel reads."""
@@ -513,7 +514,7 @@ class DeepGemmBackend(ExpertsBackend):
             FormatMismatchError: the buffer or kernel tensors carry another format's tag.
         """
         kernel, layout = self._checked(experts, hidden_states.shape[0])
-        if hidden_states.shape[0] <= self._small_tokens:
+        if self._small is not None and hidden_states.shape[0] <= self._small_tokens:
             return _launch_on(
                 experts.device, self._small.forward, self._resident, hidden_states.contiguous(),
                 None, _contiguous_as(topk_weights, torch.float32), topk_ids.contiguous(),
@@ -534,7 +535,7 @@ class DeepGemmBackend(ExpertsBackend):
         if self._dispatch is None:
             return super().forward_dispatched(experts, tokens)
         (module, _), layout = self._checked(experts, tokens)
-        if tokens <= self._small_tokens:
+        if self._small is not None and tokens <= self._small_tokens:
             rows = self._dispatch
             return _launch_on(
                 experts.device, self._small.forward, self._resident, rows.x[:tokens],
