@@ -26,6 +26,8 @@ expert, combine) at the decode counts, graphed, with ``experts_path`` auto again
 
     python benchmarks/bench_decode.py --json decode.json --plot decode.png
     python benchmarks/bench_decode.py --from-json decode.json --plot decode.png  # no GPU
+
+``--from-json`` reports a saved run's times with the path this checkout's rule would take.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from harness import (
     interleaved_us,
     write_json,
 )
-from megamoe.core.backends.small_batch import crossover_tokens, layer_work
+from megamoe.core.backends.small_batch import LayerWork, crossover_tokens, layer_work
 from megamoe.core.backends.symm_buffer import resolve_group
 from megamoe.core.modules.experts import MegaMoEExperts
 from megamoe.core.numerics import quant
@@ -257,6 +259,13 @@ def finish_row(row: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def rechosen(row: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+    """A saved row with the path this checkout's rule takes (its times are the saved ones)."""
+    experts, top_k, hidden, inter, _, _ = LAYERS[row["layer"]]
+    work = LayerWork(experts, experts, top_k, hidden, inter)
+    return finish_row(row | {"limit": crossover_tokens(work, max_tokens)})
+
+
 def table_columns() -> list[tuple[str, str]]:
     return [(title, spec) for title, spec, _ in COLUMNS]
 
@@ -347,6 +356,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.from_json:
         report = json.loads(Path(args.from_json).read_text())
         rows, block_rows = report["rows"], report.get("blocks", [])
+        rows = [rechosen(row, max(r["tokens"] for r in rows)) for row in rows]
+        print("chosen: this checkout's rule (backends.small_batch) on the saved times")
     else:
         torch.cuda.set_device(0)
         counts = [int(t) for t in args.tokens.split(",")]

@@ -50,11 +50,12 @@ def test_the_crossover_is_where_the_models_cross(work: LayerWork) -> None:
 
 
 def test_the_measured_crossovers_of_the_real_layers() -> None:
-    # On the H200 (docs/gpu.md): Qwen4-Exp's small-batch path beat MegaMoE at 1024 tokens
-    # (653 against 773 us) and lost at 4096; GLM-5.3-Flash's won at 4 tokens (216 against
-    # 235) and was within 2% of it from 8 to 64, where the rule may hand over either way.
+    # One H200 run (docs/gpu.md): Qwen4-Exp's small-batch path beat MegaMoE at 1024 tokens
+    # (641 against 775 us) and lost at 4096 (1865 against 1757); GLM-5.3-Flash's beat it at
+    # 1-256 tokens (67 against 109 at 1; 1-10% from 16 on, inside the models' error) and lost
+    # at 1024 (3049 against 2367).
     assert 1024 <= crossover_tokens(QWEN4EXP, 8192) < 4096
-    assert 4 <= crossover_tokens(GLM53FLASH, 8192) <= 64
+    assert 4 <= crossover_tokens(GLM53FLASH, 8192) <= 256
 
 
 # Many small experts with a deep top-k: MegaMoE's per-slot cost keeps the cost model on the

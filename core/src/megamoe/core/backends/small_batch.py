@@ -59,14 +59,16 @@ class PathCost:
     flops: float
 
 
-# Fitted to graphed medians of both real layers on one H200 (docs/gpu.md): the small-batch
-# path at 1-256 tokens and Qwen4-Exp's 1024 (GLM-5.3-Flash's to 64, within 10%), MegaMoE at
-# 1-1024 tokens.
-SMALL_BATCH_COST = PathCost(fixed_us=18.3, per_slot_us=0.0, bandwidth=4.12e12, flops=2.71e14)
-MEGAMOE_COST = PathCost(fixed_us=60.0, per_slot_us=0.031, bandwidth=4.56e12, flops=4.7e14)
+# Fitted to one run of bench_decode.py on one H200 (graphed medians of both real layers at
+# 1-1024 tokens, docs/gpu.md): the small-batch path within 11%, MegaMoE within 21% (its
+# fixed term is below both layers' per-slot one, kept from the first fit). Where the two
+# paths are within that of each other (GLM-5.3-Flash at 16-256 tokens: 1-10% apart) the
+# rule may pick the slower one.
+SMALL_BATCH_COST = PathCost(fixed_us=19.2, per_slot_us=0.0, bandwidth=4.28e12, flops=3.03e14)
+MEGAMOE_COST = PathCost(fixed_us=60.0, per_slot_us=0.0317, bandwidth=4.46e12, flops=4.41e14)
 # Tokens per tile of the small-batch kernels from 512 tokens (kernels.experts_small_batch
 # tiles_for): more per active expert and they stream its weights again per tile (Qwen4-Exp
-# at 4096 tokens, 80 per expert: 1785 us against MegaMoE's 1754).
+# at 4096 tokens, 80 per expert: 1865 us against MegaMoE's 1757).
 MAX_ROWS_PER_EXPERT = 32
 
 
