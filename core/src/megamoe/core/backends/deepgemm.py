@@ -381,7 +381,7 @@ class DeepGemmBackend(ExpertsBackend):
             limit = small_batch.small_batch_tokens(experts, kind)
         else:
             limit = self._small_tokens
-        small = 0 < limit and tokens <= limit  # a limit of 0: no small path, even for 0 tokens
+        small = limit > 0 and tokens <= limit  # a limit of 0: no small path, even for 0 tokens
         return small_batch.PATH_SMALL_BATCH if small else small_batch.PATH_MEGAMOE
 
     def l1_row_order(self, experts: MegaMoEExperts) -> L1RowOrder:
