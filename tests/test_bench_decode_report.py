@@ -1,0 +1,64 @@
+"""``benchmarks/bench_decode.py --from-json`` on the CPU: a saved H200 run, re-reported.
+
+The saved run is ``docs/img/decode_h200.json`` (the table in docs/gpu.md). Its times are
+measured; the ``chosen`` column must be the path this checkout's rule takes at each count,
+whatever rule the run itself was taken under.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from megamoe.core.backends.small_batch import LayerWork, crossover_tokens
+
+ROOT = Path(__file__).resolve().parents[1]
+SAVED = ROOT / "docs" / "img" / "decode_h200.json"
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_decode imports its harness
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "bench_decode", ROOT / "benchmarks" / "bench_decode.py"
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_the_saved_run_is_reported_with_this_checkouts_rule(
+    bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report = json.loads(SAVED.read_text())
+    max_tokens = max(row["tokens"] for row in report["rows"])
+    for row in report["rows"]:  # plant the opposite choice: the report must not keep it
+        row["chosen"] = "megamoe" if row["chosen"] == "small_batch" else "small_batch"
+    planted = tmp_path / "decode.json"
+    planted.write_text(json.dumps(report))
+    bench.main(["--from-json", str(planted)])
+    lines = {
+        (cells[0], int(cells[1])): cells
+        for cells in (line.split() for line in capsys.readouterr().out.splitlines())
+        if len(cells) > 10 and cells[1].isdigit()
+    }
+    assert len(lines) == len(report["rows"])
+    for row in report["rows"]:
+        experts, top_k, hidden, inter, _, _ = bench.LAYERS[row["layer"]]
+        work = LayerWork(experts, experts, top_k, hidden, inter)
+        expected = (
+            "small_batch" if row["tokens"] <= crossover_tokens(work, max_tokens) else "megamoe"
+        )
+        assert lines[(row["layer"], row["tokens"])][10] == expected, (row["layer"], row["tokens"])
+        again = bench.rechosen(row, max_tokens)
+        assert again["chosen"] == expected
+        assert again["chosen_us"] == row["small" if expected == "small_batch" else "megamoe"]
