@@ -356,7 +356,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.from_json:
         report = json.loads(Path(args.from_json).read_text())
         rows, block_rows = report["rows"], report.get("blocks", [])
-        rows = [rechosen(row, max(r["tokens"] for r in rows)) for row in rows]
+        max_tokens = max(row["tokens"] for row in rows)
+        rows = [rechosen(row, max_tokens) for row in rows]
         print("chosen: this checkout's rule (backends.small_batch) on the saved times")
     else:
         torch.cuda.set_device(0)

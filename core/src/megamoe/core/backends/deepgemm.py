@@ -292,7 +292,9 @@ class DeepGemmBackend(ExpertsBackend):
         self._dispatch: DispatchBuffer | None = None  # the Hopper buffer's inputs, if as known
         self._small: Any = None  # the small-batch kernels (SmallBatchExperts), where they run
         self._resident: tuple[torch.Tensor, ...] = ()  # the experts' tensors those kernels read
-        self._small_tokens = 0  # calls of up to this many tokens take them
+        self._small_tokens = (
+            0  # calls of up to this many tokens take them (0: none; set with _small)
+        )
 
     @classmethod
     def unsupported_reason(cls, run_format: WeightFormat, device: torch.device) -> str | None:
@@ -381,8 +383,9 @@ class DeepGemmBackend(ExpertsBackend):
             limit = small_batch.small_batch_tokens(experts, kind)
         else:
             limit = self._small_tokens
-        small = limit > 0 and tokens <= limit  # a limit of 0: no small path, even for 0 tokens
-        return small_batch.PATH_SMALL_BATCH if small else small_batch.PATH_MEGAMOE
+        if small_batch.takes_small_batch(tokens, limit):
+            return small_batch.PATH_SMALL_BATCH
+        return small_batch.PATH_MEGAMOE
 
     def l1_row_order(self, experts: MegaMoEExperts) -> L1RowOrder:
         """Gate and up rows interleaved in groups of 8: what every MegaMoE kernel reads."""
@@ -514,7 +517,7 @@ class DeepGemmBackend(ExpertsBackend):
             FormatMismatchError: the buffer or kernel tensors carry another format's tag.
         """
         kernel, layout = self._checked(experts, hidden_states.shape[0])
-        if self._small is not None and hidden_states.shape[0] <= self._small_tokens:
+        if small_batch.takes_small_batch(hidden_states.shape[0], self._small_tokens):
             return _launch_on(
                 experts.device, self._small.forward, self._resident, hidden_states.contiguous(),
                 None, _contiguous_as(topk_weights, torch.float32), topk_ids.contiguous(),
@@ -535,7 +538,7 @@ class DeepGemmBackend(ExpertsBackend):
         if self._dispatch is None:
             return super().forward_dispatched(experts, tokens)
         (module, _), layout = self._checked(experts, tokens)
-        if self._small is not None and tokens <= self._small_tokens:
+        if small_batch.takes_small_batch(tokens, self._small_tokens):
             rows = self._dispatch
             return _launch_on(
                 experts.device, self._small.forward, self._resident, rows.x[:tokens],

@@ -133,6 +133,15 @@ def crossover_tokens(work: LayerWork, max_tokens: int) -> int:
     return max_tokens
 
 
+def takes_small_batch(tokens: int, limit: int) -> bool:
+    """Whether a call of ``tokens`` takes the small-batch path under ``limit``.
+
+    ``limit``: the layer's ``small_batch_tokens``; 0 means it has no small-batch path, not
+    even for an empty call (MegaMoE runs that one).
+    """
+    return limit > 0 and tokens <= limit
+
+
 def layer_work(experts: MegaMoEExperts) -> LayerWork:
     """The experts module's :class:`LayerWork`."""
     return LayerWork(
