@@ -177,12 +177,16 @@ def _route_kernel(
 @triton.jit
 def _listed_expert(
     table_ptr: tl.tensor, slot: int, num_pairs: int, NUM_EXPERTS: tl.constexpr
-) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
-    """The route table's active expert ``slot``: id, pairs' count, where its pairs start."""
-    expert = tl.load(table_ptr + 2 * NUM_EXPERTS + slot)
+) -> tuple[tl.tensor, tl.tensor, tl.tensor, tl.tensor]:
+    """The route table's active expert ``slot``: skip, id, pairs' count, where they start.
+
+    ``slot`` past the active experts skips (its entries are read as expert 0's).
+    """
+    active = tl.load(table_ptr + 3 * NUM_EXPERTS)
+    expert = tl.load(table_ptr + 2 * NUM_EXPERTS + slot, mask=slot < active, other=0)
     first = tl.load(table_ptr + NUM_EXPERTS + expert)
     sorted_ptr = table_ptr + 3 * NUM_EXPERTS + 1 + num_pairs + first
-    return expert, tl.load(table_ptr + expert), sorted_ptr
+    return slot >= active, expert, tl.load(table_ptr + expert), sorted_ptr
 
 
 @triton.jit
@@ -220,6 +224,54 @@ def _scanned_rows(
     return tl.sum(tl.where(mine[None, :] & (rank[None, :] == m[:, None]), q[None, :], 0), 1)
 
 
+@triton.jit
+def _program_expert(
+    ids_ptr: tl.tensor,
+    table_ptr: tl.tensor,
+    num_pairs: int,
+    first_expert: int,
+    NUM_EXPERTS: tl.constexpr,
+    SCAN: tl.constexpr,
+    PAIRS: tl.constexpr,
+) -> tuple[tl.tensor, ...]:
+    """Program ``program_id(0)``'s expert: skip, id, pairs' count, where its pairs are.
+
+    The route table's active expert of that index, or with ``SCAN`` the expert that pair
+    leads; the last four values are what ``_expert_pairs`` reads.
+    """
+    if SCAN:
+        skip, expert, mine, rank, count, q = _scanned_expert(
+            ids_ptr, tl.program_id(0), num_pairs, first_expert, NUM_EXPERTS, PAIRS
+        )
+        sorted_ptr = table_ptr
+    else:
+        skip, expert, count, sorted_ptr = _listed_expert(
+            table_ptr, tl.program_id(0), num_pairs, NUM_EXPERTS
+        )
+        q = tl.arange(0, PAIRS)
+        mine, rank = q < 0, q
+    return skip, expert, count, sorted_ptr, mine, rank, q
+
+
+@triton.jit
+def _expert_pairs(
+    sorted_ptr: tl.tensor,
+    mine: tl.tensor,
+    rank: tl.tensor,
+    q: tl.tensor,
+    m0: int,
+    m_ok: tl.tensor,
+    SCAN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+) -> tl.tensor:
+    """The expert's pairs of ranks ``m0 .. m0 + BLOCK_M`` (int64; 0 past its count)."""
+    if SCAN:
+        pair = _scanned_rows(mine, rank, q, m0, BLOCK_M)
+    else:
+        pair = tl.load(sorted_ptr + m0 + tl.arange(0, BLOCK_M), mask=m_ok, other=0)
+    return pair.to(tl.int64)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "first_expert"])
 def _l1_kernel(
     x_ptr: tl.tensor,
@@ -248,18 +300,11 @@ def _l1_kernel(
     The expert: the route table's active expert ``program_id(0)``, or with ``SCAN`` the one
     that pair ``program_id(0)`` leads.
     """
-    if SCAN:
-        skip, expert, mine, rank, count, q = _scanned_expert(
-            ids_ptr, tl.program_id(0), num_pairs, first_expert, NUM_EXPERTS, PAIRS
-        )
-        if skip:
-            return
-    else:
-        if tl.program_id(0) >= tl.load(table_ptr + 3 * NUM_EXPERTS):
-            return
-        expert, count, sorted_ptr = _listed_expert(
-            table_ptr, tl.program_id(0), num_pairs, NUM_EXPERTS
-        )
+    skip, expert, count, sorted_ptr, mine, rank, q = _program_expert(
+        ids_ptr, table_ptr, num_pairs, first_expert, NUM_EXPERTS, SCAN, PAIRS
+    )
+    if skip:
+        return
     tile = tl.program_id(1)
     KB: tl.constexpr = HIDDEN // 128
     n = tile * 64 + tl.arange(0, 64)
@@ -274,11 +319,8 @@ def _l1_kernel(
     is_gate = (tl.arange(0, 128) // 8) % 2 == 0
     for m0 in range(0, count, BLOCK_M):
         m_ok = m0 + tl.arange(0, BLOCK_M) < count
-        if SCAN:
-            pair = _scanned_rows(mine, rank, q, m0, BLOCK_M)
-        else:
-            pair = tl.load(sorted_ptr + m0 + tl.arange(0, BLOCK_M), mask=m_ok, other=0)
-        token = (pair // TOP_K).to(tl.int64)
+        pair = _expert_pairs(sorted_ptr, mine, rank, q, m0, m_ok, SCAN, BLOCK_M)
+        token = pair // TOP_K
         acc = tl.zeros([128, BLOCK_M], tl.float32)
         for kb in range(KB):
             cols = kb * 128 + k
@@ -330,18 +372,11 @@ def _l2_kernel(
 
     ``STEP`` groups of 64 intermediate columns per loop step.
     """
-    if SCAN:
-        skip, expert, mine, rank, count, q = _scanned_expert(
-            ids_ptr, tl.program_id(0), num_pairs, first_expert, NUM_EXPERTS, PAIRS
-        )
-        if skip:
-            return
-    else:
-        if tl.program_id(0) >= tl.load(table_ptr + 3 * NUM_EXPERTS):
-            return
-        expert, count, sorted_ptr = _listed_expert(
-            table_ptr, tl.program_id(0), num_pairs, NUM_EXPERTS
-        )
+    skip, expert, count, sorted_ptr, mine, rank, q = _program_expert(
+        ids_ptr, table_ptr, num_pairs, first_expert, NUM_EXPERTS, SCAN, PAIRS
+    )
+    if skip:
+        return
     tile = tl.program_id(1)
     KS: tl.constexpr = INTERMEDIATE // 128
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -351,11 +386,7 @@ def _l2_kernel(
     scales += ((tile * BLOCK_N) // 128) * KS
     for m0 in range(0, count, BLOCK_M):
         m_ok = m0 + tl.arange(0, BLOCK_M) < count
-        if SCAN:
-            pair = _scanned_rows(mine, rank, q, m0, BLOCK_M).to(tl.int64)
-        else:
-            pair = tl.load(sorted_ptr + m0 + tl.arange(0, BLOCK_M), mask=m_ok, other=0)
-            pair = pair.to(tl.int64)
+        pair = _expert_pairs(sorted_ptr, mine, rank, q, m0, m_ok, SCAN, BLOCK_M)
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         for kb0 in range(0, INTERMEDIATE // 64, STEP):
             for step in tl.static_range(STEP):
