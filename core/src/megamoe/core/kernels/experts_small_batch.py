@@ -3,7 +3,9 @@
 DeepGEMM's MegaMoE kernel costs 110-175 us per layer on one H200 rank whatever the batch
 (its dispatch, barriers and persistent schedule), more than reading a decode step's active
 experts takes. This path runs the same layer in three or four Triton launches over the
-experts' own resident tensors (no second copy of any weight):
+experts' own resident tensors (no second copy of any weight), each launch after the first
+a programmatic dependent one at decode sizes (``Tiles.pdl``: its programs start while the
+launch before it runs, and wait for it only before reading what it wrote):
 
 1. **route** (program 0, plus cast programs): the (token, slot) pairs of each local expert,
    grouped by expert (counts, offsets, the pairs in expert order, the list of experts that
@@ -44,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from megamoe.core.kernels.launch import KernelLaunch, eager_key
 from megamoe.core.kernels.requant_codecs import ceil_ue8m0_exponent, ue8m0_reciprocal
@@ -74,6 +77,9 @@ class Tiles:
 
     ``l2_step``: groups of 64 intermediate columns each l2 loop step loads, their loads
     issued together (with 2, a ``w2`` row's 64-byte pieces are read as 128-byte ones).
+    ``pdl``: every launch after the call's first is a programmatic dependent launch (l2
+    finds its expert while l1 streams; the next launch starts as soon as each program of
+    this one has begun its main loop).
     """
 
     block_m: int
@@ -81,10 +87,11 @@ class Tiles:
     warps: int
     stages: int
     l2_step: int
+    pdl: bool
 
 
-DECODE_TILES = Tiles(block_m=16, block_n2=64, warps=4, stages=5, l2_step=2)
-BATCH_TILES = Tiles(block_m=32, block_n2=128, warps=4, stages=4, l2_step=1)
+DECODE_TILES = Tiles(block_m=16, block_n2=64, warps=4, stages=5, l2_step=2, pdl=True)
+BATCH_TILES = Tiles(block_m=32, block_n2=128, warps=4, stages=4, l2_step=1, pdl=False)
 # Up to this many (token, slot) pairs, when the router already wrote the FP8 tokens, the l1
 # and l2 programs find their expert's pairs by scanning the ids: no route launch at all.
 SCAN_PAIRS = 64
@@ -100,7 +107,10 @@ def tiles_for(tokens: int) -> Tiles:
     and its layer from 1.38x to 1.23x the floor (eight shapes tried at 1-256 tokens); two
     128-column blocks per l1 step were slower on both layers. From 512 tokens an expert holds
     tens of tokens: 32-token tiles read its weights fewer times (Qwen4-Exp at 1024 tokens:
-    606 us against 980 with 64-token tiles of 8 warps).
+    606 us against 980 with 64-token tiles of 8 warps). Programmatic dependent launches took
+    1.5-4.8 us off each call of 1 to 256 tokens on both layers (Qwen4-Exp at one token: 23.2
+    us against 24.9; GLM-5.3-Flash: 63.7 against 66.5) and added 1.5% at 1024 tokens, so
+    batch tiles launch each kernel after the last has ended.
     """
     return DECODE_TILES if tokens < 512 else BATCH_TILES
 
@@ -119,12 +129,16 @@ def _route_kernel(
     EXPERTS_POW2: tl.constexpr,
     HIDDEN: tl.constexpr,
     CAST: tl.constexpr,
+    PDL: tl.constexpr,
 ) -> None:
     """Program 0 groups the pairs by expert; programs 1.. cast 128 columns of 4 tokens each.
 
     ``table``: counts (E), offsets (E), active experts (E), their number (1), each pair's
-    rank within its expert (pairs), the pairs in expert order (pairs); int32.
+    rank within its expert (pairs), the pairs in expert order (pairs); int32. With ``PDL``
+    l1's programs may start at once (they wait for this launch to end).
     """
+    if PDL:
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     if pid > 0:
         if CAST:  # one block of 128 columns of CAST_ROWS tokens: one load, one store
@@ -294,17 +308,23 @@ def _l1_kernel(
     BLOCK_M: tl.constexpr,
     SCAN: tl.constexpr,
     PAIRS: tl.constexpr,
+    PDL: tl.constexpr,
 ) -> None:
     """One expert's 64 intermediate columns ``program_id(1)``.
 
     The expert: the route table's active expert ``program_id(0)``, or with ``SCAN`` the one
-    that pair ``program_id(0)`` leads.
+    that pair ``program_id(0)`` leads. With ``PDL`` it waits for the route launch (a no-op
+    when it is the call's first launch) and then lets l2's programs start.
     """
+    if PDL:
+        gdc_wait()
     skip, expert, count, sorted_ptr, mine, rank, q = _program_expert(
         ids_ptr, table_ptr, num_pairs, first_expert, NUM_EXPERTS, SCAN, PAIRS
     )
     if skip:
         return
+    if PDL:
+        gdc_launch_dependents()
     tile = tl.program_id(1)
     KB: tl.constexpr = HIDDEN // 128
     n = tile * 64 + tl.arange(0, 64)
@@ -367,16 +387,24 @@ def _l2_kernel(
     STEP: tl.constexpr,
     SCAN: tl.constexpr,
     PAIRS: tl.constexpr,
+    PDL: tl.constexpr,
 ) -> None:
     """One expert's ``BLOCK_N`` output columns ``program_id(1)`` (the expert as in l1).
 
-    ``STEP`` groups of 64 intermediate columns per loop step.
+    ``STEP`` groups of 64 intermediate columns per loop step. With ``PDL`` it finds its
+    expert while l1 runs (the ids and the route table are older than l1) and waits for l1
+    before reading its rows; a program with nothing to do waits too, so that the launch
+    never ends before l1 has.
     """
     skip, expert, count, sorted_ptr, mine, rank, q = _program_expert(
         ids_ptr, table_ptr, num_pairs, first_expert, NUM_EXPERTS, SCAN, PAIRS
     )
+    if PDL:
+        gdc_wait()
     if skip:
         return
+    if PDL:
+        gdc_launch_dependents()
     tile = tl.program_id(1)
     KS: tl.constexpr = INTERMEDIATE // 128
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -410,8 +438,14 @@ def _combine_kernel(
     TOP_K: tl.constexpr,
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ) -> None:
-    """Token ``program_id(0)``'s columns ``program_id(1) * BLOCK ..``: its slots, in order."""
+    """Token ``program_id(0)``'s columns ``program_id(1) * BLOCK ..``: its slots, in order.
+
+    With ``PDL`` it waits for l2 first.
+    """
+    if PDL:
+        gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cols_ok = cols < HIDDEN
@@ -490,11 +524,17 @@ class SmallBatchExperts:
         self._rows = torch.empty(pairs, hidden, dtype=torch.float32, device=device)
         # The constexprs that the layer fixes, made once (eager calls pay host time per launch).
         experts_pow2 = triton.next_power_of_2(num_experts)
-        self._route_c = {cast: (num_experts, experts_pow2, hidden, cast) for cast in (False, True)}
+        self._route_c = {
+            (cast, pdl): (num_experts, experts_pow2, hidden, cast, pdl)
+            for cast in (False, True)
+            for pdl in (False, True)
+        }
         clamp = (swiglu_limit is not None, 0.0 if swiglu_limit is None else swiglu_limit)
         self._l1_c = (num_experts, top_k, hidden, intermediate, *clamp)
         self._l2_c = (num_experts, hidden, intermediate)
-        self._combine_c = (num_experts, top_k, hidden, COMBINE_BLOCK)
+        self._combine_c = {
+            pdl: (num_experts, top_k, hidden, COMBINE_BLOCK, pdl) for pdl in (False, True)
+        }
 
     def forward(
         self,
@@ -539,7 +579,7 @@ class SmallBatchExperts:
         if scan:  # l1 and l2 find the pairs themselves
             programs, scan_pairs = pairs, max(16, triton.next_power_of_2(pairs))
         else:
-            route_c = self._route_c[cast]
+            route_c = self._route_c[(cast, tiles.pdl)]
             casts = triton.cdiv(tokens, CAST_ROWS) * (self.hidden // SCALE_BLOCK) if cast else 0
             _route(
                 _key(route_c, topk_ids, hidden_states),
@@ -549,25 +589,29 @@ class SmallBatchExperts:
                 route_c, 4,
             )  # fmt: skip
             programs, scan_pairs = min(self.num_experts, pairs), 16
-        l1_c = (*self._l1_c, tiles.block_m, scan, scan_pairs)
+        l1_c = (*self._l1_c, tiles.block_m, scan, scan_pairs, tiles.pdl)
         l1_inputs = (x, x_scale, w13, w13_scale, topk_weights, topk_ids)
+        l1_pdl = tiles.pdl and not scan  # after the route launch; the first without one
         _l1(
-            _key((l1_c, tiles), *l1_inputs),
+            _key((l1_c, tiles, l1_pdl), *l1_inputs),
             (programs, self.intermediate // BLOCK_N1, 1), index,
             (*l1_inputs, self._table, self._act, self._act_scale, pairs, self.first_expert),
-            l1_c, tiles.warps, tiles.stages,
+            l1_c, tiles.warps, tiles.stages, l1_pdl,
         )  # fmt: skip
-        l2_c = (*self._l2_c, tiles.block_m, tiles.block_n2, tiles.l2_step, scan, scan_pairs)
+        l2_c = (
+            *self._l2_c, tiles.block_m, tiles.block_n2, tiles.l2_step, scan, scan_pairs,
+            tiles.pdl,
+        )  # fmt: skip
         _l2(
             _key((l2_c, tiles), w2, w2_scale, topk_ids),
             (programs, self.hidden // tiles.block_n2, 1), index,
             (self._act, self._act_scale, w2, w2_scale, topk_ids, self._table, self._rows, pairs,
              self.first_expert),
-            l2_c, tiles.warps, tiles.stages,
+            l2_c, tiles.warps, tiles.stages, tiles.pdl,
         )  # fmt: skip
-        combine_c = self._combine_c
+        combine_c = self._combine_c[tiles.pdl]
         _combine(
             _key(combine_c, topk_ids), (tokens, triton.cdiv(self.hidden, COMBINE_BLOCK), 1),
-            index, (self._rows, topk_ids, out, self.first_expert), combine_c, 4,
+            index, (self._rows, topk_ids, out, self.first_expert), combine_c, 4, None, tiles.pdl,
         )  # fmt: skip
         return out

@@ -95,6 +95,7 @@ class KernelLaunch:
         constexprs: tuple[Any, ...],
         num_warps: int,
         num_stages: int | None = None,
+        pdl: bool = False,
     ) -> None:
         """Launch ``grid`` programs on the current stream of CUDA device ``device_index``.
 
@@ -107,14 +108,19 @@ class KernelLaunch:
             num_warps: the launch's warps (part of the variant).
             num_stages: the software pipeline's depth (part of the variant); None for
                 Triton's default.
+            pdl: launch it as a programmatic dependent launch (Hopper): its programs may
+                start while the stream's previous kernel runs, so the kernel must wait
+                (``gdc_wait``) before it reads what that kernel writes (part of the variant).
         """
         compiled = None
         direct = DIRECT_LAUNCH and not torch.compiler.is_compiling() and not _hooked()
         if direct and key is not None:
             compiled = self._compiled.get(key)
         if compiled is None:
-            stages = {} if num_stages is None else {"num_stages": num_stages}
-            launched = self._kernel[grid](*runtime, *constexprs, num_warps=num_warps, **stages)
+            options: dict[str, Any] = {"launch_pdl": True} if pdl else {}
+            if num_stages is not None:
+                options["num_stages"] = num_stages
+            launched = self._kernel[grid](*runtime, *constexprs, num_warps=num_warps, **options)
             if direct and key is not None:
                 self._compiled[key] = launched
             return
