@@ -21,13 +21,15 @@ takes one sample per round, ``--rounds`` rounds):
 Each layer is ``--layers`` copies with their own weights, called in turn inside one graph
 (the time is per layer): a decode step reads every layer's weights once, so a copy never
 finds its weights in the 50 MB L2 cache. ``--blocks`` adds both MoE blocks (router, shared
-expert, combine) at the decode counts, graphed, with ``experts_path`` auto against megamoe.
+expert, combine) at the decode counts, graphed, with ``experts_path`` forced to each path;
+``auto`` is the one the rule takes there.
 ``--plot`` writes time against tokens (log-log), the floor as a line.
 
     python benchmarks/bench_decode.py --json decode.json --plot decode.png
     python benchmarks/bench_decode.py --from-json decode.json --plot decode.png  # no GPU
 
-``--from-json`` reports a saved run's times with the path this checkout's rule would take.
+``--from-json`` reports a saved run's times (layers and blocks) with the path this checkout's
+rule would take.
 """
 
 from __future__ import annotations
@@ -266,12 +268,32 @@ def rechosen(row: dict[str, Any], max_tokens: int) -> dict[str, Any]:
     return finish_row(row | {"limit": crossover_tokens(work, max_tokens)})
 
 
+def block_chosen(row: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+    """A block row with ``auto``: the path this checkout's rule takes there, and its time.
+
+    ``max_tokens``: the blocks' ``max_num_tokens`` (the largest block count).
+    """
+    experts, top_k, hidden, inter, _, _ = LAYERS[row["block"]]
+    work = LayerWork(experts, experts, top_k, hidden, inter)
+    path = "small_batch" if row["tokens"] <= crossover_tokens(work, max_tokens) else "megamoe"
+    return row | {"auto_path": path, "auto": row[path], "auto/megamoe": row[path] / row["megamoe"]}
+
+
+def block_table(rows: list[dict[str, Any]]) -> str:
+    """The block rows as a table."""
+    columns = [("block", "<10"), ("tokens", ">6d"), ("small_batch", ">11.1f"),
+               ("megamoe", ">8.1f"), ("auto", "<11"), ("auto us", ">8.1f"),
+               ("auto/megamoe", ">6.2f")]  # fmt: skip
+    keys = ("block", "tokens", "small_batch", "megamoe", "auto_path", "auto", "auto/megamoe")
+    return format_table(columns, [[row[key] for key in keys] for row in rows])
+
+
 def table_columns() -> list[tuple[str, str]]:
     return [(title, spec) for title, spec, _ in COLUMNS]
 
 
 def measure_blocks(counts: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Both blocks, graphed, with experts_path auto against megamoe (router, shared, combine)."""
+    """Both blocks, graphed, on each experts path (router, shared expert, combine)."""
     import bench_block
     from megamoe.glm5next.adapter import ADAPTER as GLM
     from megamoe.qwen4exp.adapter import ADAPTER as QWEN
@@ -287,7 +309,7 @@ def measure_blocks(counts: list[int], args: argparse.Namespace) -> list[dict[str
         tensors = list(bench_block.tensors(adapter.name, shape))
         blocks = {
             path: build_block(adapter, cfg, tensors, max(counts), path)
-            for path in ("auto", "megamoe")
+            for path in ("small_batch", "megamoe")
         }
         del tensors
         for tokens in counts:
@@ -297,11 +319,11 @@ def measure_blocks(counts: list[int], args: argparse.Namespace) -> list[dict[str
                 for path, block in blocks.items()
             }
             times = interleaved_us(samplers, warmup=2, rounds=args.rounds)
-            row = {"block": name, "tokens": tokens} | times
-            row["auto/megamoe"] = times["auto"] / times["megamoe"]
+            row = block_chosen({"block": name, "tokens": tokens} | times, max(counts))
             rows.append(row)
-            print(f"block {name} {tokens:5d} tokens graphed: auto {times['auto']:.1f} us, "
-                  f"megamoe {times['megamoe']:.1f} us", flush=True)  # fmt: skip
+            print(f"block {name} {tokens:5d} tokens graphed: small_batch "
+                  f"{times['small_batch']:.1f} us, megamoe {times['megamoe']:.1f} us, auto "
+                  f"takes {row['auto_path']}", flush=True)  # fmt: skip
         del blocks
         torch.cuda.empty_cache()
     return rows
@@ -358,6 +380,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         rows, block_rows = report["rows"], report.get("blocks", [])
         max_tokens = max(row["tokens"] for row in rows)
         rows = [rechosen(row, max_tokens) for row in rows]
+        if block_rows:
+            block_max = max(row["tokens"] for row in block_rows)
+            block_rows = [block_chosen(row, block_max) for row in block_rows]
         print("chosen: this checkout's rule (backends.small_batch) on the saved times")
     else:
         torch.cuda.set_device(0)
@@ -367,6 +392,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         block_rows = measure_blocks(block_counts, args) if block_counts else []
         write_json(args.json, {"args": vars(args), "rows": rows, "blocks": block_rows})
     print(format_table(table_columns(), [[r.get(k) for _, _, k in COLUMNS] for r in rows]))
+    if block_rows:
+        print(block_table(block_rows))
     if args.plot:
         plot(rows, args.plot)
 

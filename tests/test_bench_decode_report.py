@@ -1,8 +1,8 @@
 """``benchmarks/bench_decode.py --from-json`` on the CPU: a saved H200 run, re-reported.
 
 The saved run is ``docs/img/decode_h200.json`` (the table in docs/gpu.md). Its times are
-measured; the ``chosen`` column must be the path this checkout's rule takes at each count,
-whatever rule the run itself was taken under.
+measured; the ``chosen`` column (and a block's ``auto``) must be the path this checkout's rule
+takes at each count, whatever rule the run itself was taken under.
 """
 
 from __future__ import annotations
@@ -62,3 +62,17 @@ def test_the_saved_run_is_reported_with_this_checkouts_rule(
         again = bench.rechosen(row, max_tokens)
         assert again["chosen"] == expected
         assert again["chosen_us"] == row["small" if expected == "small_batch" else "megamoe"]
+
+
+def test_a_saved_blocks_auto_is_the_path_this_checkouts_rule_takes(bench: ModuleType) -> None:
+    blocks = json.loads(SAVED.read_text())["blocks"]
+    block_max = max(row["tokens"] for row in blocks)
+    for row in blocks:
+        planted = row | {"auto_path": "nonsense", "auto": -1.0}
+        again = bench.block_chosen(planted, block_max)
+        experts, top_k, hidden, inter, _, _ = bench.LAYERS[row["block"]]
+        limit = crossover_tokens(LayerWork(experts, experts, top_k, hidden, inter), block_max)
+        path = "small_batch" if row["tokens"] <= limit else "megamoe"
+        assert again["auto_path"] == path, (row["block"], row["tokens"])
+        assert again["auto"] == row[path]
+        assert again["auto/megamoe"] == row[path] / row["megamoe"]

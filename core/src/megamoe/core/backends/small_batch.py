@@ -2,15 +2,15 @@
 
 On one Hopper rank the DeepGEMM backend has two paths over the same resident kernel tensors:
 the MegaMoE kernel, and the small-batch kernels (``megamoe.core.kernels.experts_small_batch``:
-four Triton launches that read each active expert's weights once). MegaMoE pays a fixed cost
-per call that grows with the layer's experts; the small-batch path pays little per call but
-streams weights slower and, past decode sizes, computes less efficiently. Both are modelled
-as ``max(fixed, per_slot * E * top_k) + active bytes / bandwidth + FLOPs / throughput``
-(:class:`PathCost`, fitted to both real layers' graphed timings on the H200 within 7% for
-the small-batch path and 23% for MegaMoE, ``docs/gpu.md``), with the active experts expected
-under uniform routing. The small-batch kernels also stream an expert's weights once per
-tile of ``MAX_ROWS_PER_EXPERT`` tokens, so they are taken only while the expected tokens per
-active expert fit one tile. A layer takes the small-batch path for every call of up to
+three or four Triton launches that read each active expert's weights once). MegaMoE pays a
+fixed cost per call that grows with the layer's experts; the small-batch path pays little
+per call, a little per program of its kernels, and past decode sizes computes less
+efficiently. Both are modelled as ``max(fixed, per_slot * E * top_k) + per_program *
+programs + active bytes / bandwidth + FLOPs / throughput`` (:class:`PathCost`, fitted to
+both real layers' graphed timings on the H200, ``docs/gpu.md``), with the active experts
+expected under uniform routing. The small-batch kernels also stream an expert's weights
+once per tile of ``MAX_ROWS_PER_EXPERT`` tokens, so they are taken only while the expected
+tokens per active expert fit one tile. A layer takes the small-batch path for every call of up to
 :func:`crossover_tokens` tokens, the first token count at which either condition fails; so
 a fixed token count always takes one path and a CUDA graph captures one.
 
@@ -49,23 +49,33 @@ class PathCost:
         per_slot_us: per (local expert, top-k slot) pair of the layer, per call, where that
             is more (MegaMoE's fixed cost grows with both: 169 us for Qwen4-Exp's 512 x 10,
             112 for GLM-5.3-Flash's 288 x 8 at one token).
+        per_program_us: per program of the small-batch kernels (l1 and l2 each run one per
+            active expert and 64 of its columns, each paying its own start and pipeline
+            fill: Qwen4-Exp's experts hold 3.5 times as many per byte as GLM-5.3-Flash's).
         bandwidth: bytes per second at which the active experts' weights stream.
         flops: FLOP/s of the GEMMs beyond what streaming the weights hides.
     """
 
     fixed_us: float
     per_slot_us: float
+    per_program_us: float
     bandwidth: float
     flops: float
 
 
 # Fitted to one run of bench_decode.py on one H200 (graphed medians of both real layers at
-# 1-1024 tokens, docs/gpu.md): the small-batch path within 11%, MegaMoE within 21% (its
-# fixed term is below both layers' per-slot one, kept from the first fit). Where the two
-# paths are within that of each other (GLM-5.3-Flash at 16-256 tokens: 1-10% apart) the
-# rule may pick the slower one.
-SMALL_BATCH_COST = PathCost(fixed_us=19.2, per_slot_us=0.0, bandwidth=4.28e12, flops=3.03e14)
-MEGAMOE_COST = PathCost(fixed_us=60.0, per_slot_us=0.0317, bandwidth=4.46e12, flops=4.41e14)
+# 1-1024 tokens, 2026-12-04, docs/gpu.md): the small-batch path within 8% (its weights
+# stream at the HBM peak; what it loses to that is per call and per program), MegaMoE
+# within 22% (its fixed term is below both layers' per-slot one, kept from the first fit).
+# Where the two paths are within that of each other the rule may pick the slower one.
+SMALL_BATCH_COST = PathCost(
+    fixed_us=16.35, per_slot_us=0.0, per_program_us=0.00274, bandwidth=4.8e12, flops=3.17e14
+)
+MEGAMOE_COST = PathCost(
+    fixed_us=60.0, per_slot_us=0.0321, per_program_us=0.0, bandwidth=4.51e12, flops=4.97e14
+)
+# Columns of an expert's intermediate (l1) and hidden (l2) per small-batch program.
+COLUMNS_PER_PROGRAM = 64
 # Tokens per tile of the small-batch kernels from 512 tokens (kernels.experts_small_batch
 # tiles_for): more per active expert and they stream its weights again per tile (Qwen4-Exp
 # at 4096 tokens, 80 per expert: 1865 us against MegaMoE's 1757).
@@ -102,11 +112,13 @@ class LayerWork:
 
     def predicted_us(self, cost: PathCost, tokens: int) -> float:
         """``cost``'s microseconds for a call of ``tokens`` tokens."""
-        weights = self.active_experts(tokens) * self.expert_bytes / cost.bandwidth
+        active = self.active_experts(tokens)
+        weights = active * self.expert_bytes / cost.bandwidth
         local_pairs = tokens * self.top_k * self.num_local_experts / self.num_experts
         flops = 2.0 * local_pairs * self.expert_bytes / cost.flops
+        programs = active * (self.hidden + self.intermediate) / COLUMNS_PER_PROGRAM
         overhead = max(cost.fixed_us, cost.per_slot_us * self.num_local_experts * self.top_k)
-        return overhead + 1e6 * (weights + flops)
+        return overhead + cost.per_program_us * programs + 1e6 * (weights + flops)
 
     def rows_per_active_expert(self, tokens: int) -> float:
         """This rank's (token, slot) pairs per active local expert, expected."""
