@@ -108,9 +108,10 @@ def tiles_for(tokens: int) -> Tiles:
     128-column blocks per l1 step were slower on both layers. From 512 tokens an expert holds
     tens of tokens: 32-token tiles read its weights fewer times (Qwen4-Exp at 1024 tokens:
     606 us against 980 with 64-token tiles of 8 warps). Programmatic dependent launches took
-    1.5-4.8 us off each call of 1 to 256 tokens on both layers (Qwen4-Exp at one token: 23.2
-    us against 24.9; GLM-5.3-Flash: 63.7 against 66.5) and added 1.5% at 1024 tokens, so
-    batch tiles launch each kernel after the last has ended.
+    1.5-4.8 us off each call of 1-16 tokens on both layers and of 64-256 on Qwen4-Exp's
+    (one token: 23.2 us against 24.9; GLM-5.3-Flash: 63.7 against 66.5), changed 64
+    GLM-5.3-Flash tokens by under 0.1% and added 1.5% at 1024 tokens, so batch tiles launch
+    each kernel after the last has ended.
     """
     return DECODE_TILES if tokens < 512 else BATCH_TILES
 
