@@ -51,7 +51,7 @@ class PathCost:
             112 for GLM-5.3-Flash's 288 x 8 at one token).
         per_program_us: per program of the small-batch kernels (l1 and l2 each run one per
             active expert and 64 of its columns, each paying its own start and pipeline
-            fill: Qwen4-Exp's experts hold 3.5 times as many per byte as GLM-5.3-Flash's).
+            fill: Qwen4-Exp's experts hold 3.3 times as many per byte as GLM-5.3-Flash's).
         bandwidth: bytes per second at which the active experts' weights stream.
         flops: FLOP/s of the GEMMs beyond what streaming the weights hides.
     """
