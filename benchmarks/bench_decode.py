@@ -50,9 +50,15 @@ from harness import (
     interleaved_us,
     write_json,
 )
-from megamoe.core.backends.small_batch import LayerWork, crossover_tokens, layer_work
+from megamoe.core.backends.small_batch import (
+    LayerWork,
+    crossover_tokens,
+    layer_work,
+    takes_small_batch,
+)
 from megamoe.core.backends.symm_buffer import resolve_group
 from megamoe.core.modules.experts import MegaMoEExperts
+from megamoe.core.modules.experts_backend import PATH_MEGAMOE, PATH_SMALL_BATCH
 from megamoe.core.numerics import quant
 from megamoe.core.numerics.formats import WeightFormat
 
@@ -246,9 +252,20 @@ def measure_layer(name: str, counts: list[int], args: argparse.Namespace) -> lis
     return rows
 
 
+def rule_limit(name: str, max_tokens: int) -> int:
+    """The most tokens this checkout's rule sends down the small-batch path for layer ``name``."""
+    experts, top_k, hidden, inter, _, _ = LAYERS[name]
+    return crossover_tokens(LayerWork(experts, experts, top_k, hidden, inter), max_tokens)
+
+
+def path_taken(tokens: int, limit: int) -> str:
+    """The path a call of ``tokens`` takes under ``limit`` (the experts module's own test)."""
+    return PATH_SMALL_BATCH if takes_small_batch(tokens, limit) else PATH_MEGAMOE
+
+
 def finish_row(row: dict[str, Any]) -> dict[str, Any]:
     """The chosen path (by the row's ``limit``) and the ratios."""
-    chosen = "small_batch" if row["tokens"] <= row["limit"] else "megamoe"
+    chosen = path_taken(row["tokens"], row["limit"])
     chosen_us = row["small" if chosen == "small_batch" else "megamoe"]
     row |= {
         "chosen": chosen,
@@ -263,9 +280,7 @@ def finish_row(row: dict[str, Any]) -> dict[str, Any]:
 
 def rechosen(row: dict[str, Any], max_tokens: int) -> dict[str, Any]:
     """A saved row with the path this checkout's rule takes (its times are the saved ones)."""
-    experts, top_k, hidden, inter, _, _ = LAYERS[row["layer"]]
-    work = LayerWork(experts, experts, top_k, hidden, inter)
-    return finish_row(row | {"limit": crossover_tokens(work, max_tokens)})
+    return finish_row(row | {"limit": rule_limit(row["layer"], max_tokens)})
 
 
 def block_chosen(row: dict[str, Any], max_tokens: int) -> dict[str, Any]:
@@ -273,9 +288,7 @@ def block_chosen(row: dict[str, Any], max_tokens: int) -> dict[str, Any]:
 
     ``max_tokens``: the blocks' ``max_num_tokens`` (the largest block count).
     """
-    experts, top_k, hidden, inter, _, _ = LAYERS[row["block"]]
-    work = LayerWork(experts, experts, top_k, hidden, inter)
-    path = "small_batch" if row["tokens"] <= crossover_tokens(work, max_tokens) else "megamoe"
+    path = path_taken(row["tokens"], rule_limit(row["block"], max_tokens))
     return row | {"auto_path": path, "auto": row[path], "auto/megamoe": row[path] / row["megamoe"]}
 
 
@@ -309,7 +322,7 @@ def measure_blocks(counts: list[int], args: argparse.Namespace) -> list[dict[str
         tensors = list(bench_block.tensors(adapter.name, shape))
         blocks = {
             path: build_block(adapter, cfg, tensors, max(counts), path)
-            for path in ("small_batch", "megamoe")
+            for path in (PATH_SMALL_BATCH, PATH_MEGAMOE)
         }
         del tensors
         for tokens in counts:

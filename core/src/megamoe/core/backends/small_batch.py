@@ -10,9 +10,9 @@ programs + active bytes / bandwidth + FLOPs / throughput`` (:class:`PathCost`, f
 both real layers' graphed timings on the H200, ``docs/gpu.md``), with the active experts
 expected under uniform routing. The small-batch kernels also stream an expert's weights
 once per tile of ``MAX_ROWS_PER_EXPERT`` tokens, so they are taken only while the expected
-tokens per active expert fit one tile. A layer takes the small-batch path for every call of up to
-:func:`crossover_tokens` tokens, the first token count at which either condition fails; so
-a fixed token count always takes one path and a CUDA graph captures one.
+tokens per active expert fit one tile. A layer takes the small-batch path for every call of
+up to :func:`crossover_tokens` tokens, the first token count at which either condition
+fails; so a fixed token count always takes one path and a CUDA graph captures one.
 
 ``experts_path`` (an option of ``MegaMoEExperts`` and of both blocks) forces either path:
 ``"small_batch"`` for every call the layer's ``max_num_tokens`` allows, ``"megamoe"`` for
