@@ -9,6 +9,8 @@ oracle: relative error <= 1e-2 (SPEC §6), and well under the float reference's 
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from bitcheck import assert_bitwise_equal, relative_error
@@ -16,6 +18,7 @@ from graph_check import replayed_output
 from memory import canonical_bytes, resident_bytes
 
 from megamoe.core.backends.deepgemm import DeepGemmBackend
+from megamoe.core.backends.small_batch import KERNEL_MODULE
 from megamoe.core.modules.experts import MegaMoEExperts
 from megamoe.core.numerics.formats import WeightFormat
 from megamoe.core.testing import synthetic_expert_tensors
@@ -31,6 +34,7 @@ SHAPES = {
     "glm53flash-unclamped": (32, 8, 4096, 2048, None),
 }
 MAX_TOKENS = 256
+BATCH_TOKENS = 600  # from 512 tokens the kernels take their batch tiles
 
 pytestmark = [
     pytest.mark.gpu,
@@ -45,13 +49,15 @@ def _small_batch_available() -> None:
         pytest.skip(f"DeepGEMM cannot run {FMT.value} here: {reason}")
 
 
-def build(shape: str, path: str, seed: int = 0, **options: object) -> MegaMoEExperts:
+def build(
+    shape: str, path: str, seed: int = 0, max_tokens: int = MAX_TOKENS, **options: object
+) -> MegaMoEExperts:
     experts_count, top_k, hidden, inter, limit = SHAPES[shape]
     experts = MegaMoEExperts(
         num_experts=experts_count, num_local_experts=experts_count, experts_start_idx=0,
         num_logical_experts=experts_count, top_k=top_k, hidden_size=hidden,
         intermediate_size=inter, weight_format=FMT, checkpoint_format=FMT,
-        max_num_tokens=MAX_TOKENS, device="cuda", prefix=f"{shape}.experts",
+        max_num_tokens=max_tokens, device="cuda", prefix=f"{shape}.experts",
         swiglu_limit=limit, experts_path=path, **options,  # type: ignore[arg-type]
     )  # fmt: skip
     tensors = synthetic_expert_tensors(FMT, experts_count, hidden, inter, seed=seed)
@@ -188,3 +194,24 @@ def test_forced_megamoe_and_auto_above_the_crossover_take_the_kernel(
     x, weights, ids = routing(shape, 16, seed=21)
     error = relative_error(kernel(x, weights, ids), small(x, weights, ids))
     assert error <= 2 * EMULATED_TOL  # two paths, each within the kernel's bound
+
+
+def test_the_batch_tiles_match_the_emulating_reference() -> None:
+    """From 512 tokens: 32-token tiles, 128-column l2 tiles (their own TMA descriptor)."""
+    small = build("qwen4exp", "small_batch", max_tokens=BATCH_TOKENS, backend="deepgemm")
+    assert small.backend.path_for(small, BATCH_TOKENS) == "small_batch"
+    emulated = build(
+        "qwen4exp", "auto", max_tokens=BATCH_TOKENS, backend="reference", emulate_kernel=True
+    )
+    x, weights, ids = routing("qwen4exp", BATCH_TOKENS, seed=9)
+    error = relative_error(small(x, weights, ids), emulated(x, weights, ids))
+    print(f"[gpu-small-batch] qwen4exp {BATCH_TOKENS} uniform: {error:.3g}")
+    assert error <= EMULATED_TOL
+
+
+def test_the_kernels_refuse_weights_the_tma_cannot_read() -> None:
+    kernels = importlib.import_module(KERNEL_MODULE)
+    w = torch.zeros(2, 256, 257, dtype=torch.float8_e4m3fn, device="cuda")
+    scales = torch.ones(2, 2, 2, device="cuda")
+    with pytest.raises(ValueError, match=r"w13 \(2, 256, 256\) .* contiguous, 16-byte aligned"):
+        kernels.ExpertWeights(w[:, :, 1:], scales, w[:, :, :256], scales)

@@ -291,7 +291,7 @@ class DeepGemmBackend(ExpertsBackend):
         self._clamp: dict[str, float] = {}  # activation_clamp where the experts clamp
         self._dispatch: DispatchBuffer | None = None  # the Hopper buffer's inputs, if as known
         self._small: Any = None  # the small-batch kernels (SmallBatchExperts), where they run
-        self._resident: tuple[torch.Tensor, ...] = ()  # the experts' tensors those kernels read
+        self._resident: Any = None  # the experts' tensors those kernels read (ExpertWeights)
         self._small_tokens = (
             0  # calls of up to this many tokens take them (0: none; set with _small)
         )
@@ -440,7 +440,8 @@ class DeepGemmBackend(ExpertsBackend):
             self._small_tokens = small_batch.small_batch_tokens(experts, kind)
             if self._small_tokens:
                 self._small = small_batch.shared_kernels(experts, self._small_tokens)
-                self._resident = _resident(experts)  # reloads rewrite them in place
+                # reloads rewrite them in place: the TMA descriptors stay right
+                self._resident = self._small.weights(*_resident(experts))
 
     def _buffer(self, module: ModuleType, kind: str, experts: MegaMoEExperts) -> SymmBufferEntry:
         """The cached symmetric buffer for this layer's shape and kind."""

@@ -11,9 +11,10 @@ launch before it runs, and wait for it only before reading what it wrote):
    grouped by expert (counts, offsets, the pairs in expert order, the list of experts that
    have any), and the tokens cast to FP8 E4M3 with a float32 scale per 128 columns, the
    dispatch buffer's rule, one program per 128 columns of 4 tokens (no cast when the router
-   already wrote them there). Up to ``SCAN_PAIRS`` pairs of such FP8 tokens there is no
-   route launch: each l1 and l2 program scans the ids for its expert's pairs itself, and
-   the first pair of each expert leads it;
+   already wrote them there). Up to ``SCAN_PAIRS`` pairs there is no grouping: each l1 and
+   l2 program scans the ids for its expert's pairs itself, and the first pair of each
+   expert leads it (no route launch at all for FP8 tokens, its cast programs alone for
+   bf16 ones);
 2. **l1** (a program per active expert and 64 intermediate columns): the gate and up rows
    of the block-FP8 ``w13`` (stored with gate and up rows interleaved in groups of 8,
    ``l1_order``) against the expert's tokens, 128x128 float32 block scales, SwiGLU with the
@@ -25,7 +26,9 @@ launch before it runs, and wait for it only before reading what it wrote):
    unused and other ranks' slots skipped, rounded to bf16.
 
 Every active expert's weights are read once per call, whatever the number of its tokens
-(its tokens are tiles of ``block_m`` rows inside one program). The numerics are the Hopper
+(its tokens are tiles of ``block_m`` rows inside one program), in tiles that the Tensor
+Memory Accelerator copies (host-side tensor descriptors over the resident ``w13`` and
+``w2``, made once per tensor and tile shape). The numerics are the Hopper
 kernel's, so the reference backend's emulation (``emulate_kernel=True``) is the oracle of
 both; the GEMMs accumulate in another order than the kernel's (float32 sums, so outputs
 agree within the kernel's tolerance, not bit for bit). The result does not depend on which
@@ -47,19 +50,29 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe.core.kernels.launch import KernelLaunch, eager_key
 from megamoe.core.kernels.requant_codecs import ceil_ue8m0_exponent, ue8m0_reciprocal
 
-__all__ = ["BATCH_TILES", "DECODE_TILES", "SmallBatchExperts", "Tiles", "tiles_for"]
+__all__ = [
+    "BATCH_TILES",
+    "DECODE_TILES",
+    "ExpertWeights",
+    "SmallBatchExperts",
+    "Tiles",
+    "l2_stages",
+    "tiles_for",
+]
 
 SCALE_BLOCK = 128  # rows and columns per float32 weight scale; columns per token scale
 ACT_GROUP = 64  # columns per power-of-two scale of the intermediate (the Hopper kernel's)
 L1_GROUP = 8  # gate/up rows interleaved in groups of 8 (DeepGEMM's L1 order)
 BLOCK_N1 = ACT_GROUP  # intermediate columns per l1 program: one act scale group
-ROUTE_BLOCK = 1024  # pairs per step of the route program
+ROUTE_BLOCK = 4096  # pairs per step of the route program
+ROUTE_WARPS = 8  # warps of each route program (the grouping one's step: 16 pairs a thread)
 CAST_ROWS = 4  # token rows per cast program of the route launch
-COMBINE_BLOCK = 1024  # hidden columns per combine program
+COMBINE_BLOCK = 256  # hidden columns per combine program
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn magnitude
 TOKEN_AMAX_FLOOR = 1e-10  # the dispatch rule's amax floor (DISPATCH_AMAX_FLOOR)
 ACT_AMAX_FLOOR = 1e-4  # the intermediate's amax floor (the Hopper kernel's, AMAX_FLOOR)
@@ -111,9 +124,23 @@ def tiles_for(tokens: int) -> Tiles:
     1.5-4.8 us off each call of 1-16 tokens on both layers and of 64-256 on Qwen4-Exp's
     (one token: 23.2 us against 24.9; GLM-5.3-Flash: 63.7 against 66.5), changed 64
     GLM-5.3-Flash tokens by under 0.1% and added 1.5% at 1024 tokens, so batch tiles launch
-    each kernel after the last has ended.
+    each kernel after the last has ended. With the weights' tiles copied by the TMA, 128-column
+    l2 programs at decode sizes and 4-group l2 steps came within 1% or were slower (at 1-256
+    tokens, 2026-12-04).
     """
     return DECODE_TILES if tokens < 512 else BATCH_TILES
+
+
+def l2_stages(tiles: Tiles, intermediate: int) -> int:
+    """l2's pipeline depth: the tiles' stages, at most one fewer than its loop's steps.
+
+    A stage beyond that only holds shared memory, so fewer l2 programs share an SM:
+    Qwen4-Exp's l2 (I=512: four steps of two 64-column groups) took 120.6 us at 16 tokens
+    with 3 stages against 126.7 with 5, and 20.3 against 21.1 at one token; GLM-5.3-Flash's
+    (I=2048, sixteen steps) keeps 5 (measured on the H200, docs/gpu.md).
+    """
+    steps = intermediate // (ACT_GROUP * tiles.l2_step)
+    return max(2, min(tiles.stages, steps - 1))
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_tokens", "first_expert"])
@@ -131,12 +158,15 @@ def _route_kernel(
     HIDDEN: tl.constexpr,
     CAST: tl.constexpr,
     PDL: tl.constexpr,
+    GROUP: tl.constexpr,
 ) -> None:
     """Program 0 groups the pairs by expert; programs 1.. cast 128 columns of 4 tokens each.
 
     ``table``: counts (E), offsets (E), active experts (E), their number (1), each pair's
-    rank within its expert (pairs), the pairs in expert order (pairs); int32. With ``PDL``
-    l1's programs may start at once (they wait for this launch to end).
+    rank within its expert (pairs), the pairs in expert order (pairs); int32. Without
+    ``GROUP`` program 0 does nothing (l1 and l2 scan the ids). With ``PDL`` l1's programs
+    may start at once (they wait for this launch to end). The counters are relaxed atomics:
+    the program's barriers order them, and no other program reads them before it ends.
     """
     if PDL:
         gdc_launch_dependents()
@@ -155,6 +185,8 @@ def _route_kernel(
             tl.store(x_fp8_ptr + at, x_fp8, mask=rows_ok[:, None])
             tl.store(x_scale_ptr + rows * KB + kb, scale, mask=rows_ok)
         return
+    if not GROUP:
+        return
     counts_ptr = table_ptr
     offsets_ptr = table_ptr + NUM_EXPERTS
     active_ptr = table_ptr + 2 * NUM_EXPERTS
@@ -169,7 +201,7 @@ def _route_kernel(
         local = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32)
         local -= first_expert
         ok = (pairs < num_pairs) & (local >= 0) & (local < NUM_EXPERTS)
-        rank = tl.atomic_add(counts_ptr + local, 1, mask=ok)
+        rank = tl.atomic_add(counts_ptr + local, 1, mask=ok, sem="relaxed")
         tl.store(ranks_ptr + pairs, rank, mask=ok)
     tl.debug_barrier()
     counts = tl.load(counts_ptr + experts, mask=experts_ok, other=0)
@@ -291,7 +323,7 @@ def _expert_pairs(
 def _l1_kernel(
     x_ptr: tl.tensor,
     x_scale_ptr: tl.tensor,
-    w13_ptr: tl.tensor,
+    w13_desc: tl.tensor_descriptor,
     w13_scale_ptr: tl.tensor,
     weights_ptr: tl.tensor,
     ids_ptr: tl.tensor,
@@ -314,8 +346,9 @@ def _l1_kernel(
     """One expert's 64 intermediate columns ``program_id(1)``.
 
     The expert: the route table's active expert ``program_id(0)``, or with ``SCAN`` the one
-    that pair ``program_id(0)`` leads. With ``PDL`` it waits for the route launch (a no-op
-    when it is the call's first launch) and then lets l2's programs start.
+    that pair ``program_id(0)`` leads. ``w13_desc``: the (E * 2I, H) weights in 128x128
+    tiles. With ``PDL`` it waits for the route launch (a no-op when it is the call's first
+    launch) and then lets l2's programs start.
     """
     if PDL:
         gdc_wait()
@@ -330,13 +363,12 @@ def _l1_kernel(
     KB: tl.constexpr = HIDDEN // 128
     n = tile * 64 + tl.arange(0, 64)
     k = tl.arange(0, 128)
-    w_base = w13_ptr + expert.to(tl.int64) * (2 * INTERMEDIATE * HIDDEN)
+    w_row = expert * (2 * INTERMEDIATE) + tile * 128
     scale_base = w13_scale_ptr + expert.to(tl.int64) * (2 * INTERMEDIATE // 128) * KB
     gate_scales = scale_base + ((tile * 64) // 128) * KB
     up_scales = scale_base + ((INTERMEDIATE + tile * 64) // 128) * KB
     # Intermediate columns 64t..64t+63 are stored rows 128t..128t+127: 8 gate rows, then the
     # same 8 columns' up rows, and so on (L1 order); one dot covers both, split afterwards.
-    rows = tile * 128 + tl.arange(0, 128)
     is_gate = (tl.arange(0, 128) // 8) % 2 == 0
     for m0 in range(0, count, BLOCK_M):
         m_ok = m0 + tl.arange(0, BLOCK_M) < count
@@ -345,7 +377,7 @@ def _l1_kernel(
         acc = tl.zeros([128, BLOCK_M], tl.float32)
         for kb in range(KB):
             cols = kb * 128 + k
-            w = tl.load(w_base + rows[:, None] * HIDDEN + cols[None, :])
+            w = w13_desc.load([w_row, kb * 128])
             x_at = x_ptr + token[:, None] * HIDDEN + cols[None, :]
             x_t = tl.trans(tl.load(x_at, mask=m_ok[:, None], other=0.0))
             x_scale = tl.load(x_scale_ptr + token * KB + kb, mask=m_ok, other=0.0)
@@ -373,7 +405,7 @@ def _l1_kernel(
 def _l2_kernel(
     act_ptr: tl.tensor,
     act_scale_ptr: tl.tensor,
-    w2_ptr: tl.tensor,
+    w2_desc: tl.tensor_descriptor,
     w2_scale_ptr: tl.tensor,
     ids_ptr: tl.tensor,
     table_ptr: tl.tensor,
@@ -392,7 +424,8 @@ def _l2_kernel(
 ) -> None:
     """One expert's ``BLOCK_N`` output columns ``program_id(1)`` (the expert as in l1).
 
-    ``STEP`` groups of 64 intermediate columns per loop step. With ``PDL`` it finds its
+    ``w2_desc``: the (E * H, I) weights in ``BLOCK_N`` x 64 tiles; ``STEP`` of them per loop
+    step. With ``PDL`` it finds its
     expert while l1 runs (the ids and the route table are older than l1) and waits for l1
     before reading its rows; a program with nothing to do waits too, so that the launch
     never ends before l1 has.
@@ -410,7 +443,7 @@ def _l2_kernel(
     KS: tl.constexpr = INTERMEDIATE // 128
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, 64)
-    w_base = w2_ptr + expert.to(tl.int64) * (HIDDEN * INTERMEDIATE)
+    w_row = expert * HIDDEN + tile * BLOCK_N
     scales = w2_scale_ptr + expert.to(tl.int64) * (HIDDEN // 128) * KS
     scales += ((tile * BLOCK_N) // 128) * KS
     for m0 in range(0, count, BLOCK_M):
@@ -424,7 +457,7 @@ def _l2_kernel(
                 act_at = act_ptr + pair[:, None] * INTERMEDIATE + cols[None, :]
                 act_t = tl.trans(tl.load(act_at, mask=m_ok[:, None], other=0.0))
                 act_scale = tl.load(act_scale_ptr + pair * (INTERMEDIATE // 64) + kb, mask=m_ok)
-                w = tl.load(w_base + n[:, None] * INTERMEDIATE + cols[None, :])
+                w = w2_desc.load([w_row, kb * 64])
                 acc += tl.dot(w, act_t) * (act_scale[None, :] * tl.load(scales + kb // 2))
         tl.store(y_ptr + pair[None, :] * HIDDEN + n[:, None], acc, mask=m_ok[None, :])
 
@@ -471,6 +504,50 @@ _route = KernelLaunch(_route_kernel, runtime_args=8)
 _l1 = KernelLaunch(_l1_kernel, runtime_args=11)
 _l2 = KernelLaunch(_l2_kernel, runtime_args=9)
 _combine = KernelLaunch(_combine_kernel, runtime_args=4)
+
+
+class ExpertWeights:
+    """One layer's resident block-FP8 expert tensors and the TMA descriptors of their tiles.
+
+    A descriptor encodes a tensor's address, shape and strides (host-side, passed by value
+    to each launch and captured with it in a CUDA graph), so it stays right while the tensor
+    is rewritten in place; it holds the tensor, so this object lives as long as the layer's
+    own reference to its weights (the backend's), no longer.
+
+    Args:
+        w13: (E, 2I, H) float8_e4m3fn in L1 order (gate/up groups of 8).
+        w13_scale: (E, 2I/128, H/128) float32 in ``[gate | up]`` order.
+        w2: (E, H, I) float8_e4m3fn.
+        w2_scale: (E, H/128, I/128) float32.
+
+    Raises:
+        ValueError: a weight that is not contiguous or not 16-byte aligned (what the Tensor
+            Memory Accelerator reads).
+    """
+
+    def __init__(
+        self, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor
+    ) -> None:
+        for name, weight in (("w13", w13), ("w2", w2)):
+            if weight.dim() != 3 or not weight.is_contiguous() or weight.data_ptr() % 16:
+                raise ValueError(
+                    f"small-batch experts: {name} {tuple(weight.shape)} at "
+                    f"{weight.data_ptr():#x} must be a contiguous, 16-byte aligned (E, rows, "
+                    "columns) tensor (the TMA copies its tiles); pass the experts' resident one"
+                )
+        self.w13, self.w13_scale, self.w2, self.w2_scale = w13, w13_scale, w2, w2_scale
+        self._tiles: dict[tuple[str, int, int], TensorDescriptor] = {}
+
+    def descriptor(self, name: str, tile: tuple[int, int]) -> TensorDescriptor:
+        """``w13`` or ``w2`` (E, R, K) as the 2-D (E * R, K) tensor of ``tile``-shaped tiles."""
+        key = (name, *tile)
+        found = self._tiles.get(key)
+        if found is None:
+            weight = self.w13 if name == "w13" else self.w2
+            experts, rows, columns = weight.shape
+            found = TensorDescriptor.from_tensor(weight.view(experts * rows, columns), list(tile))
+            self._tiles[key] = found
+        return found
 
 
 class SmallBatchExperts:
@@ -526,9 +603,10 @@ class SmallBatchExperts:
         # The constexprs that the layer fixes, made once (eager calls pay host time per launch).
         experts_pow2 = triton.next_power_of_2(num_experts)
         self._route_c = {
-            (cast, pdl): (num_experts, experts_pow2, hidden, cast, pdl)
+            (cast, pdl, group): (num_experts, experts_pow2, hidden, cast, pdl, group)
             for cast in (False, True)
             for pdl in (False, True)
+            for group in (False, True)
         }
         clamp = (swiglu_limit is not None, 0.0 if swiglu_limit is None else swiglu_limit)
         self._l1_c = (num_experts, top_k, hidden, intermediate, *clamp)
@@ -537,9 +615,16 @@ class SmallBatchExperts:
             pdl: (num_experts, top_k, hidden, COMBINE_BLOCK, pdl) for pdl in (False, True)
         }
 
+    @staticmethod
+    def weights(
+        w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor
+    ) -> ExpertWeights:
+        """A layer's resident tensors as :meth:`forward` reads them (see ``ExpertWeights``)."""
+        return ExpertWeights(w13, w13_scale, w2, w2_scale)
+
     def forward(
         self,
-        weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        weights: ExpertWeights,
         hidden_states: torch.Tensor,
         hidden_scale: torch.Tensor | None,
         topk_weights: torch.Tensor,
@@ -548,9 +633,7 @@ class SmallBatchExperts:
         """The routed experts' output for ``tokens`` tokens, (tokens, H) bfloat16.
 
         Args:
-            weights: ``w13`` (E, 2I, H) float8_e4m3fn in L1 order (gate/up groups of 8),
-                its scales (E, 2I/128, H/128) float32 in ``[gate | up]`` order, ``w2``
-                (E, H, I) float8_e4m3fn and its scales (E, H/128, I/128) float32.
+            weights: the layer's resident expert tensors (:meth:`weights`).
             hidden_states: (tokens, H) bf16, or FP8 E4M3 already cast by the dispatch rule.
             hidden_scale: None for bf16 tokens; the FP8 tokens' (tokens, H/128) float32.
             topk_weights: (tokens, top_k) float32, contiguous.
@@ -569,34 +652,37 @@ class SmallBatchExperts:
         out = torch.empty(tokens, self.hidden, dtype=torch.bfloat16, device=topk_ids.device)
         if tokens == 0:
             return out
-        w13, w13_scale, w2, w2_scale = weights
+        w13, w13_scale, w2, w2_scale = weights.w13, weights.w13_scale, weights.w2, weights.w2_scale
         pairs, index = tokens * self.top_k, topk_ids.device.index
         tiles = tiles_for(tokens)
         cast = hidden_scale is None
         x, x_scale = self._x_fp8, self._x_scale
         if hidden_scale is not None:  # the router wrote FP8 tokens by the same rule
             x, x_scale = hidden_states, hidden_scale
-        scan = not cast and pairs <= SCAN_PAIRS
-        if scan:  # l1 and l2 find the pairs themselves
-            programs, scan_pairs = pairs, max(16, triton.next_power_of_2(pairs))
-        else:
-            route_c = self._route_c[(cast, tiles.pdl)]
+        scan = pairs <= SCAN_PAIRS  # l1 and l2 find the pairs themselves: no grouping
+        if cast or not scan:  # FP8 tokens at scan sizes need no route launch at all
+            route_c = self._route_c[(cast, tiles.pdl, not scan)]
             casts = triton.cdiv(tokens, CAST_ROWS) * (self.hidden // SCALE_BLOCK) if cast else 0
             _route(
                 _key(route_c, topk_ids, hidden_states),
                 (1 + casts, 1, 1), index,
                 (topk_ids, self._table, hidden_states, self._x_fp8, self._x_scale, pairs,
                  tokens, self.first_expert),
-                route_c, 4,
+                route_c, ROUTE_WARPS,
             )  # fmt: skip
+        if scan:
+            programs, scan_pairs = pairs, max(16, triton.next_power_of_2(pairs))
+        else:
             programs, scan_pairs = min(self.num_experts, pairs), 16
+        w13_desc = weights.descriptor("w13", (2 * BLOCK_N1, SCALE_BLOCK))
+        w2_desc = weights.descriptor("w2", (tiles.block_n2, ACT_GROUP))
         l1_c = (*self._l1_c, tiles.block_m, scan, scan_pairs, tiles.pdl)
-        l1_inputs = (x, x_scale, w13, w13_scale, topk_weights, topk_ids)
-        l1_pdl = tiles.pdl and not scan  # after the route launch; the first without one
+        l1_pdl = tiles.pdl and (cast or not scan)  # after the route launch, where there is one
         _l1(
-            _key((l1_c, tiles, l1_pdl), *l1_inputs),
+            _key((l1_c, tiles, l1_pdl), x, x_scale, w13, w13_scale, topk_weights, topk_ids),
             (programs, self.intermediate // BLOCK_N1, 1), index,
-            (*l1_inputs, self._table, self._act, self._act_scale, pairs, self.first_expert),
+            (x, x_scale, w13_desc, w13_scale, topk_weights, topk_ids, self._table, self._act,
+             self._act_scale, pairs, self.first_expert),
             l1_c, tiles.warps, tiles.stages, l1_pdl,
         )  # fmt: skip
         l2_c = (
@@ -606,9 +692,9 @@ class SmallBatchExperts:
         _l2(
             _key((l2_c, tiles), w2, w2_scale, topk_ids),
             (programs, self.hidden // tiles.block_n2, 1), index,
-            (self._act, self._act_scale, w2, w2_scale, topk_ids, self._table, self._rows, pairs,
-             self.first_expert),
-            l2_c, tiles.warps, tiles.stages, tiles.pdl,
+            (self._act, self._act_scale, w2_desc, w2_scale, topk_ids, self._table, self._rows,
+             pairs, self.first_expert),
+            l2_c, tiles.warps, l2_stages(tiles, self.intermediate), tiles.pdl,
         )  # fmt: skip
         combine_c = self._combine_c[tiles.pdl]
         _combine(
