@@ -50,12 +50,12 @@ def test_the_crossover_is_where_the_models_cross(work: LayerWork) -> None:
 
 
 def test_the_measured_crossovers_of_the_real_layers() -> None:
-    # One H200 run (docs/gpu.md): Qwen4-Exp's small-batch path beat MegaMoE at 1024 tokens
-    # (636 against 775 us) and lost at 4096 (1851 against 1760); GLM-5.3-Flash's beat it at
-    # 1-256 tokens (62 against 111 at 1; 4-13% from 16 on, 4% at 128) and lost at 1024 (2916
-    # against 2246).
-    assert 1024 <= crossover_tokens(QWEN4EXP, 8192) < 4096
-    assert 128 <= crossover_tokens(GLM53FLASH, 8192) < 1024
+    # One H200 run (docs/gpu.md, 2026-12-04 with TMA tile copies): Qwen4-Exp's small-batch
+    # path beat MegaMoE at 1024 tokens (547 against 771 us) and lost at 2048 (977 against
+    # 812); GLM-5.3-Flash's beat it at 1-512 tokens (61 against 111 at 1; 1986 against 2169
+    # at 512) and lost at 1024 (2671 against 2327).
+    assert 1024 <= crossover_tokens(QWEN4EXP, 8192) < 2048
+    assert 512 <= crossover_tokens(GLM53FLASH, 8192) < 1024
 
 
 # Many small experts with a deep top-k: MegaMoE's per-slot cost keeps the cost model on the
@@ -73,9 +73,10 @@ def test_many_tokens_per_expert_take_megamoe_even_where_the_cost_model_would_not
 
 def test_the_crossover_follows_the_layer_shape() -> None:
     # Qwen4-Exp's many small experts keep the small-batch path far past decode; GLM-5.3-Flash's
-    # large ones hand over to MegaMoE much earlier: one rule, measured constants, two answers.
+    # large ones hand over to MegaMoE earlier (measured: past 1024 tokens against past 512):
+    # one rule, measured constants, two answers.
     qwen, glm = crossover_tokens(QWEN4EXP, 8192), crossover_tokens(GLM53FLASH, 8192)
-    assert qwen > 4 * glm
+    assert qwen > 2 * glm
     assert glm >= 1
 
 

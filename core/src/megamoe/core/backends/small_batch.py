@@ -64,12 +64,13 @@ class PathCost:
 
 
 # Fitted to one run of bench_decode.py on one H200 (graphed medians of both real layers at
-# 1-1024 tokens, 2026-12-04, docs/gpu.md): the small-batch path within 8% (its weights
-# stream at the HBM peak; what it loses to that is per call and per program), MegaMoE
-# within 22% (its fixed term is below both layers' per-slot one, kept from the first fit).
+# 1-1024 tokens, 2026-12-04 with TMA tile copies, docs/gpu.md): the small-batch path within
+# 10% (its weights stream at the HBM peak; what it loses to that is per call and per
+# program), MegaMoE within 22% (its fixed term is below both layers' per-slot one, kept
+# from the first fit).
 # Where the two paths are within that of each other the rule may pick the slower one.
 SMALL_BATCH_COST = PathCost(
-    fixed_us=16.35, per_slot_us=0.0, per_program_us=0.00274, bandwidth=4.8e12, flops=3.17e14
+    fixed_us=12.25, per_slot_us=0.0, per_program_us=0.0026, bandwidth=4.8e12, flops=4.19e14
 )
 MEGAMOE_COST = PathCost(
     fixed_us=60.0, per_slot_us=0.0321, per_program_us=0.0, bandwidth=4.51e12, flops=4.97e14
@@ -78,7 +79,7 @@ MEGAMOE_COST = PathCost(
 COLUMNS_PER_PROGRAM = 64
 # Tokens per tile of the small-batch kernels from 512 tokens (kernels.experts_small_batch
 # tiles_for): more per active expert and they stream its weights again per tile (Qwen4-Exp
-# at 4096 tokens, 80 per expert: 1865 us against MegaMoE's 1757).
+# at 2048 tokens, 40 per expert: 977 us against MegaMoE's 812).
 MAX_ROWS_PER_EXPERT = 32
 
 
