@@ -425,10 +425,9 @@ def _l2_kernel(
     """One expert's ``BLOCK_N`` output columns ``program_id(1)`` (the expert as in l1).
 
     ``w2_desc``: the (E * H, I) weights in ``BLOCK_N`` x 64 tiles; ``STEP`` of them per loop
-    step. With ``PDL`` it finds its
-    expert while l1 runs (the ids and the route table are older than l1) and waits for l1
-    before reading its rows; a program with nothing to do waits too, so that the launch
-    never ends before l1 has.
+    step. With ``PDL`` it finds its expert while l1 runs (the ids and the route table are
+    older than l1) and waits for l1 before reading its rows; a program with nothing to do
+    waits too, so that the launch never ends before l1 has.
     """
     skip, expert, count, sorted_ptr, mine, rank, q = _program_expert(
         ids_ptr, table_ptr, num_pairs, first_expert, NUM_EXPERTS, SCAN, PAIRS
