@@ -196,17 +196,48 @@ def test_forced_megamoe_and_auto_above_the_crossover_take_the_kernel(
     assert error <= 2 * EMULATED_TOL  # two paths, each within the kernel's bound
 
 
-def test_the_batch_tiles_match_the_emulating_reference() -> None:
-    """From 512 tokens: 32-token tiles, 128-column l2 tiles (their own TMA descriptor)."""
-    small = build("qwen4exp", "small_batch", max_tokens=BATCH_TOKENS, backend="deepgemm")
+@pytest.fixture(scope="module")
+def batch_layers() -> dict[tuple[str, str], MegaMoEExperts]:
+    return {}
+
+
+def batch_layer(
+    cache: dict[tuple[str, str], MegaMoEExperts], shape: str, backend: str
+) -> MegaMoEExperts:
+    if (shape, backend) not in cache:
+        path, options = ("auto", {"emulate_kernel": True}) if backend == "reference" else (
+            "small_batch", {}
+        )  # fmt: skip
+        cache[(shape, backend)] = build(
+            shape, path, max_tokens=BATCH_TOKENS, backend=backend, **options
+        )
+    return cache[(shape, backend)]
+
+
+@pytest.mark.parametrize("shape", ["qwen4exp", "glm53flash"])
+@pytest.mark.parametrize("mode", ["uniform", "one"])
+def test_the_batch_tiles_match_the_emulating_reference(
+    batch_layers: dict[tuple[str, str], MegaMoEExperts], shape: str, mode: str
+) -> None:
+    """From 512 tokens: persistent programs over 32-token expert tiles, 128-column l2 tiles
+    (their own TMA descriptor); every token on one expert gives that expert 19 tiles."""
+    small = batch_layer(batch_layers, shape, "deepgemm")
     assert small.backend.path_for(small, BATCH_TOKENS) == "small_batch"
-    emulated = build(
-        "qwen4exp", "auto", max_tokens=BATCH_TOKENS, backend="reference", emulate_kernel=True
+    x, weights, ids = routing(shape, BATCH_TOKENS, seed=9, mode=mode)
+    error = relative_error(
+        small(x, weights, ids), batch_layer(batch_layers, shape, "reference")(x, weights, ids)
     )
-    x, weights, ids = routing("qwen4exp", BATCH_TOKENS, seed=9)
-    error = relative_error(small(x, weights, ids), emulated(x, weights, ids))
-    print(f"[gpu-small-batch] qwen4exp {BATCH_TOKENS} uniform: {error:.3g}")
+    print(f"[gpu-small-batch] {shape} {BATCH_TOKENS} {mode}: {error:.3g}")
     assert error <= EMULATED_TOL
+
+
+def test_a_batch_graph_replay_gives_the_eager_bits(
+    batch_layers: dict[tuple[str, str], MegaMoEExperts],
+) -> None:
+    small = batch_layer(batch_layers, "qwen4exp", "deepgemm")
+    x, weights, ids = routing("qwen4exp", BATCH_TOKENS, seed=13)
+    eager = small(x, weights, ids)
+    assert_bitwise_equal(replayed_output(lambda: small(x, weights, ids)), eager, "replay")
 
 
 def test_the_kernels_refuse_weights_the_tma_cannot_read() -> None:

@@ -76,11 +76,13 @@ COMBINE_BLOCK = 256  # hidden columns per combine program
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn magnitude
 TOKEN_AMAX_FLOOR = 1e-10  # the dispatch rule's amax floor (DISPATCH_AMAX_FLOOR)
 ACT_AMAX_FLOOR = 1e-4  # the intermediate's amax floor (the Hopper kernel's, AMAX_FLOOR)
+TILE_LIMIT = 1 << 16  # an expert tile entry: expert * TILE_LIMIT + its tile (of fewer tiles)
 _CAST_ROWS = tl.constexpr(CAST_ROWS)
 _ROUTE_BLOCK = tl.constexpr(ROUTE_BLOCK)
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 _E4M3_RECIPROCAL = tl.constexpr(1.0 / E4M3_MAX)
 _TOKEN_AMAX_FLOOR = tl.constexpr(TOKEN_AMAX_FLOOR)
+_TILE_LIMIT = tl.constexpr(TILE_LIMIT)
 _ACT_AMAX_FLOOR = tl.constexpr(ACT_AMAX_FLOOR)
 
 
@@ -93,6 +95,9 @@ class Tiles:
     ``pdl``: every launch after the call's first is a programmatic dependent launch (l2
     finds its expert while l1 streams; the next launch starts as soon as each program of
     this one has begun its main loop).
+    ``persistent``: l1 and l2 run ``L1_PROGRAMS_PER_SM`` and ``L2_PROGRAMS_PER_SM`` programs
+    per SM, each taking every so many of the call's (expert tile, column tile) items in
+    turn, in place of one program per active expert and column tile.
     """
 
     block_m: int
@@ -101,10 +106,20 @@ class Tiles:
     stages: int
     l2_step: int
     pdl: bool
+    persistent: bool
 
 
-DECODE_TILES = Tiles(block_m=16, block_n2=64, warps=4, stages=5, l2_step=2, pdl=True)
-BATCH_TILES = Tiles(block_m=32, block_n2=128, warps=4, stages=4, l2_step=1, pdl=False)
+DECODE_TILES = Tiles(
+    block_m=16, block_n2=64, warps=4, stages=5, l2_step=2, pdl=True, persistent=False
+)
+BATCH_TILES = Tiles(
+    block_m=32, block_n2=128, warps=4, stages=5, l2_step=1, pdl=False, persistent=True
+)
+# Persistent programs per SM (what fits at once: l1's 5 stages of 20 KB hold two; three l2
+# programs streamed best, 2026-12-04, docs/gpu.md). A program that does not fit starts only
+# when another ends, late for its share of the items.
+L1_PROGRAMS_PER_SM = 2
+L2_PROGRAMS_PER_SM = 3
 # Up to this many (token, slot) pairs, when the router already wrote the FP8 tokens, the l1
 # and l2 programs find their expert's pairs by scanning the ids: no route launch at all.
 SCAN_PAIRS = 64
@@ -126,7 +141,10 @@ def tiles_for(tokens: int) -> Tiles:
     GLM-5.3-Flash tokens by under 0.1% and added 1.5% at 1024 tokens, so batch tiles launch
     each kernel after the last has ended. With the weights' tiles copied by the TMA, 128-column
     l2 programs at decode sizes and 4-group l2 steps came within 1% or were slower (at 1-256
-    tokens, 2026-12-04).
+    tokens, 2026-12-04). Batch tiles run persistent programs (a fixed number per SM, each
+    taking items in turn: the programs of a wave no longer start and end together, leaving
+    the memory idle between waves), with 5 stages: Qwen4-Exp at 1024 tokens 547 to 500 us,
+    GLM-5.3-Flash at 512 1995 to 1834 (the same bits).
     """
     return DECODE_TILES if tokens < 512 else BATCH_TILES
 
@@ -159,11 +177,14 @@ def _route_kernel(
     CAST: tl.constexpr,
     PDL: tl.constexpr,
     GROUP: tl.constexpr,
+    TILE_M: tl.constexpr,
 ) -> None:
     """Program 0 groups the pairs by expert; programs 1.. cast 128 columns of 4 tokens each.
 
     ``table``: counts (E), offsets (E), active experts (E), their number (1), each pair's
-    rank within its expert (pairs), the pairs in expert order (pairs); int32. Without
+    rank within its expert (pairs), the pairs in expert order (pairs); int32. With ``TILE_M``
+    (persistent programs' tiles) it goes on with the number of expert tiles (1), then each
+    active expert's tiles of ``TILE_M`` pairs (``expert * TILE_LIMIT + tile``). Without
     ``GROUP`` program 0 does nothing (l1 and l2 scan the ids). With ``PDL`` l1's programs
     may start at once (they wait for this launch to end). The counters are relaxed atomics:
     the program's barriers order them, and no other program reads them before it ends.
@@ -191,7 +212,7 @@ def _route_kernel(
     offsets_ptr = table_ptr + NUM_EXPERTS
     active_ptr = table_ptr + 2 * NUM_EXPERTS
     ranks_ptr = table_ptr + 3 * NUM_EXPERTS + 1
-    sorted_ptr = ranks_ptr + num_pairs
+    sorted_ptr = _sorted_pairs(table_ptr, num_pairs, NUM_EXPERTS)
     experts = tl.arange(0, EXPERTS_POW2)
     experts_ok = experts < NUM_EXPERTS
     tl.store(counts_ptr + experts, tl.zeros([EXPERTS_POW2], tl.int32), mask=experts_ok)
@@ -210,6 +231,16 @@ def _route_kernel(
     used = counts > 0
     tl.store(active_ptr + tl.cumsum(used.to(tl.int32), 0) - 1, experts, mask=used)
     tl.store(active_ptr + NUM_EXPERTS, tl.sum(used.to(tl.int32), 0))
+    if TILE_M:
+        tiles_ptr = _expert_tiles(table_ptr, num_pairs, NUM_EXPERTS)
+        expert_tiles = (counts + TILE_M - 1) // TILE_M
+        first_tile = tl.cumsum(expert_tiles, 0) - expert_tiles
+        tl.store(tiles_ptr, tl.sum(expert_tiles, 0))
+        for tile in range(0, tl.max(expert_tiles, 0)):
+            tl.store(
+                tiles_ptr + 1 + first_tile + tile, experts * _TILE_LIMIT + tile,
+                mask=experts_ok & (tile < expert_tiles),
+            )  # fmt: skip
     tl.debug_barrier()
     for start in range(0, num_pairs, _ROUTE_BLOCK):
         pairs = start + tl.arange(0, _ROUTE_BLOCK)
@@ -222,6 +253,12 @@ def _route_kernel(
 
 
 @triton.jit
+def _sorted_pairs(table_ptr: tl.tensor, num_pairs: int, NUM_EXPERTS: tl.constexpr) -> tl.tensor:
+    """Where the route table's pairs in expert order are (the route kernel's docstring)."""
+    return table_ptr + 3 * NUM_EXPERTS + 1 + num_pairs
+
+
+@triton.jit
 def _listed_expert(
     table_ptr: tl.tensor, slot: int, num_pairs: int, NUM_EXPERTS: tl.constexpr
 ) -> tuple[tl.tensor, tl.tensor, tl.tensor, tl.tensor]:
@@ -231,8 +268,8 @@ def _listed_expert(
     """
     active = tl.load(table_ptr + 3 * NUM_EXPERTS)
     expert = tl.load(table_ptr + 2 * NUM_EXPERTS + slot, mask=slot < active, other=0)
-    first = tl.load(table_ptr + NUM_EXPERTS + expert)
-    sorted_ptr = table_ptr + 3 * NUM_EXPERTS + 1 + num_pairs + first
+    sorted_ptr = _sorted_pairs(table_ptr, num_pairs, NUM_EXPERTS)
+    sorted_ptr += tl.load(table_ptr + NUM_EXPERTS + expert)
     return slot >= active, expert, tl.load(table_ptr + expert), sorted_ptr
 
 
@@ -319,6 +356,96 @@ def _expert_pairs(
     return pair.to(tl.int64)
 
 
+@triton.jit
+def _expert_tiles(table_ptr: tl.tensor, num_pairs: int, NUM_EXPERTS: tl.constexpr) -> tl.tensor:
+    """Where the route table's expert tiles are: their number, then the tiles."""
+    return _sorted_pairs(table_ptr, num_pairs, NUM_EXPERTS) + num_pairs
+
+
+@triton.jit
+def _tile_pairs(
+    table_ptr: tl.tensor,
+    tile: int,
+    num_pairs: int,
+    NUM_EXPERTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """Expert tile ``tile`` of the route table: its expert, which rows hold pairs, the pairs.
+
+    The pairs are its expert's of ranks ``BLOCK_M * t .. BLOCK_M * (t + 1)`` (t: the tile's
+    index among its expert's), int64, 0 past the expert's count.
+    """
+    packed = tl.load(_expert_tiles(table_ptr, num_pairs, NUM_EXPERTS) + 1 + tile)
+    expert = packed // _TILE_LIMIT
+    m = (packed % _TILE_LIMIT) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m < tl.load(table_ptr + expert)
+    sorted_ptr = _sorted_pairs(table_ptr, num_pairs, NUM_EXPERTS)
+    sorted_ptr += tl.load(table_ptr + NUM_EXPERTS + expert)
+    return expert, m_ok, tl.load(sorted_ptr + m, mask=m_ok, other=0).to(tl.int64)
+
+
+@triton.jit
+def _l1_tile(
+    x_ptr: tl.tensor,
+    x_scale_ptr: tl.tensor,
+    w13_desc: tl.tensor_descriptor,
+    w13_scale_ptr: tl.tensor,
+    weights_ptr: tl.tensor,
+    act_ptr: tl.tensor,
+    act_scale_ptr: tl.tensor,
+    expert: tl.tensor,
+    tile: tl.tensor,
+    pair: tl.tensor,
+    m_ok: tl.tensor,
+    TOP_K: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    INTERMEDIATE: tl.constexpr,
+    CLAMP: tl.constexpr,
+    LIMIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+) -> None:
+    """``expert``'s intermediate columns ``64 * tile ..`` for the ``BLOCK_M`` rows ``pair``.
+
+    ``w13_desc``: the (E * 2I, H) weights in 128x128 tiles. Columns 64t..64t+63 are stored
+    rows 128t..128t+127: 8 gate rows, then the same 8 columns' up rows, and so on (L1
+    order); one dot covers both, split afterwards.
+    """
+    KB: tl.constexpr = HIDDEN // 128
+    n = tile * 64 + tl.arange(0, 64)
+    k = tl.arange(0, 128)
+    w_row = expert * (2 * INTERMEDIATE) + tile * 128
+    scale_base = w13_scale_ptr + expert.to(tl.int64) * (2 * INTERMEDIATE // 128) * KB
+    gate_scales = scale_base + ((tile * 64) // 128) * KB
+    up_scales = scale_base + ((INTERMEDIATE + tile * 64) // 128) * KB
+    is_gate = (tl.arange(0, 128) // 8) % 2 == 0
+    token = pair // TOP_K
+    acc = tl.zeros([128, BLOCK_M], tl.float32)
+    for kb in range(KB):
+        cols = kb * 128 + k
+        w = w13_desc.load([w_row, kb * 128])
+        x_at = x_ptr + token[:, None] * HIDDEN + cols[None, :]
+        x_t = tl.trans(tl.load(x_at, mask=m_ok[:, None], other=0.0))
+        x_scale = tl.load(x_scale_ptr + token * KB + kb, mask=m_ok, other=0.0)
+        w_scale = tl.where(is_gate, tl.load(gate_scales + kb), tl.load(up_scales + kb))
+        acc += tl.dot(w, x_t) * (w_scale[:, None] * x_scale[None, :])
+    acc = tl.permute(tl.reshape(acc, (8, 2, 8, BLOCK_M)), (0, 2, 3, 1))
+    gate, up = tl.split(acc)
+    gate = tl.reshape(gate, (64, BLOCK_M))
+    up = tl.reshape(up, (64, BLOCK_M))
+    if CLAMP:
+        gate = tl.minimum(gate, LIMIT)
+        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+    act = tl.math.div_rn(gate, 1.0 + libdevice.exp(-gate)) * up
+    act *= tl.load(weights_ptr + pair, mask=m_ok, other=0.0)[None, :]
+    amax = tl.maximum(tl.max(tl.abs(act), axis=0), _ACT_AMAX_FLOOR)
+    exponent = ceil_ue8m0_exponent(amax * _E4M3_RECIPROCAL)
+    act_fp8 = (act * ue8m0_reciprocal(exponent)[None, :]).to(tl.float8e4nv)
+    at = pair[None, :].to(tl.int64) * INTERMEDIATE + n[:, None]
+    tl.store(act_ptr + at, act_fp8, mask=m_ok[None, :])
+    act_scale = (exponent << 23).to(tl.float32, bitcast=True)
+    tl.store(act_scale_ptr + pair * (INTERMEDIATE // 64) + tile, act_scale, mask=m_ok)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "first_expert"])
 def _l1_kernel(
     x_ptr: tl.tensor,
@@ -342,63 +469,84 @@ def _l1_kernel(
     SCAN: tl.constexpr,
     PAIRS: tl.constexpr,
     PDL: tl.constexpr,
+    PERSISTENT: tl.constexpr,
 ) -> None:
-    """One expert's 64 intermediate columns ``program_id(1)``.
+    """One expert's 64 intermediate columns ``program_id(1)``, or with ``PERSISTENT`` items.
 
     The expert: the route table's active expert ``program_id(0)``, or with ``SCAN`` the one
-    that pair ``program_id(0)`` leads. ``w13_desc``: the (E * 2I, H) weights in 128x128
-    tiles. With ``PDL`` it waits for the route launch (a no-op when it is the call's first
-    launch) and then lets l2's programs start.
+    that pair ``program_id(0)`` leads. ``PERSISTENT``: program p takes the items p, p +
+    programs, ... of (the route table's expert tiles of ``BLOCK_M`` pairs, 64 columns). With
+    ``PDL`` it waits for the route launch (a no-op when it is the call's first launch) and
+    then lets l2's programs start.
     """
     if PDL:
         gdc_wait()
-    skip, expert, count, sorted_ptr, mine, rank, q = _program_expert(
-        ids_ptr, table_ptr, num_pairs, first_expert, NUM_EXPERTS, SCAN, PAIRS
-    )
-    if skip:
-        return
-    if PDL:
-        gdc_launch_dependents()
-    tile = tl.program_id(1)
-    KB: tl.constexpr = HIDDEN // 128
-    n = tile * 64 + tl.arange(0, 64)
-    k = tl.arange(0, 128)
-    w_row = expert * (2 * INTERMEDIATE) + tile * 128
-    scale_base = w13_scale_ptr + expert.to(tl.int64) * (2 * INTERMEDIATE // 128) * KB
-    gate_scales = scale_base + ((tile * 64) // 128) * KB
-    up_scales = scale_base + ((INTERMEDIATE + tile * 64) // 128) * KB
-    # Intermediate columns 64t..64t+63 are stored rows 128t..128t+127: 8 gate rows, then the
-    # same 8 columns' up rows, and so on (L1 order); one dot covers both, split afterwards.
-    is_gate = (tl.arange(0, 128) // 8) % 2 == 0
-    for m0 in range(0, count, BLOCK_M):
-        m_ok = m0 + tl.arange(0, BLOCK_M) < count
-        pair = _expert_pairs(sorted_ptr, mine, rank, q, m0, m_ok, SCAN, BLOCK_M)
-        token = pair // TOP_K
-        acc = tl.zeros([128, BLOCK_M], tl.float32)
-        for kb in range(KB):
-            cols = kb * 128 + k
-            w = w13_desc.load([w_row, kb * 128])
-            x_at = x_ptr + token[:, None] * HIDDEN + cols[None, :]
-            x_t = tl.trans(tl.load(x_at, mask=m_ok[:, None], other=0.0))
-            x_scale = tl.load(x_scale_ptr + token * KB + kb, mask=m_ok, other=0.0)
-            w_scale = tl.where(is_gate, tl.load(gate_scales + kb), tl.load(up_scales + kb))
-            acc += tl.dot(w, x_t) * (w_scale[:, None] * x_scale[None, :])
-        acc = tl.permute(tl.reshape(acc, (8, 2, 8, BLOCK_M)), (0, 2, 3, 1))
-        gate, up = tl.split(acc)
-        gate = tl.reshape(gate, (64, BLOCK_M))
-        up = tl.reshape(up, (64, BLOCK_M))
-        if CLAMP:
-            gate = tl.minimum(gate, LIMIT)
-            up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
-        act = tl.math.div_rn(gate, 1.0 + libdevice.exp(-gate)) * up
-        act *= tl.load(weights_ptr + pair, mask=m_ok, other=0.0)[None, :]
-        amax = tl.maximum(tl.max(tl.abs(act), axis=0), _ACT_AMAX_FLOOR)
-        exponent = ceil_ue8m0_exponent(amax * _E4M3_RECIPROCAL)
-        act_fp8 = (act * ue8m0_reciprocal(exponent)[None, :]).to(tl.float8e4nv)
-        at = pair[None, :].to(tl.int64) * INTERMEDIATE + n[:, None]
-        tl.store(act_ptr + at, act_fp8, mask=m_ok[None, :])
-        act_scale = (exponent << 23).to(tl.float32, bitcast=True)
-        tl.store(act_scale_ptr + pair * (INTERMEDIATE // 64) + tile, act_scale, mask=m_ok)
+    if PERSISTENT:
+        NT: tl.constexpr = INTERMEDIATE // 64
+        items = tl.load(_expert_tiles(table_ptr, num_pairs, NUM_EXPERTS)) * NT
+        for item in range(tl.program_id(0), items, tl.num_programs(0)):
+            expert, m_ok, pair = _tile_pairs(table_ptr, item // NT, num_pairs, NUM_EXPERTS, BLOCK_M)
+            _l1_tile(
+                x_ptr, x_scale_ptr, w13_desc, w13_scale_ptr, weights_ptr, act_ptr, act_scale_ptr,
+                expert, item % NT, pair, m_ok, TOP_K, HIDDEN, INTERMEDIATE, CLAMP, LIMIT, BLOCK_M,
+            )  # fmt: skip
+    else:
+        skip, expert, count, sorted_ptr, mine, rank, q = _program_expert(
+            ids_ptr, table_ptr, num_pairs, first_expert, NUM_EXPERTS, SCAN, PAIRS
+        )
+        if skip:
+            return
+        if PDL:
+            gdc_launch_dependents()
+        for m0 in range(0, count, BLOCK_M):
+            m_ok = m0 + tl.arange(0, BLOCK_M) < count
+            pair = _expert_pairs(sorted_ptr, mine, rank, q, m0, m_ok, SCAN, BLOCK_M)
+            _l1_tile(
+                x_ptr, x_scale_ptr, w13_desc, w13_scale_ptr, weights_ptr, act_ptr, act_scale_ptr,
+                expert, tl.program_id(1), pair, m_ok, TOP_K, HIDDEN, INTERMEDIATE, CLAMP, LIMIT,
+                BLOCK_M,
+            )  # fmt: skip
+
+
+@triton.jit
+def _l2_tile(
+    act_ptr: tl.tensor,
+    act_scale_ptr: tl.tensor,
+    w2_desc: tl.tensor_descriptor,
+    w2_scale_ptr: tl.tensor,
+    y_ptr: tl.tensor,
+    expert: tl.tensor,
+    tile: tl.tensor,
+    pair: tl.tensor,
+    m_ok: tl.tensor,
+    HIDDEN: tl.constexpr,
+    INTERMEDIATE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    STEP: tl.constexpr,
+) -> None:
+    """``expert``'s output columns ``BLOCK_N * tile ..`` for the ``BLOCK_M`` rows ``pair``.
+
+    ``w2_desc``: the (E * H, I) weights in ``BLOCK_N`` x 64 tiles; ``STEP`` of them per loop
+    step.
+    """
+    KS: tl.constexpr = INTERMEDIATE // 128
+    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, 64)
+    w_row = expert * HIDDEN + tile * BLOCK_N
+    scales = w2_scale_ptr + expert.to(tl.int64) * (HIDDEN // 128) * KS
+    scales += ((tile * BLOCK_N) // 128) * KS
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for kb0 in range(0, INTERMEDIATE // 64, STEP):
+        for step in tl.static_range(STEP):
+            kb = kb0 + step
+            cols = kb * 64 + k
+            act_at = act_ptr + pair[:, None] * INTERMEDIATE + cols[None, :]
+            act_t = tl.trans(tl.load(act_at, mask=m_ok[:, None], other=0.0))
+            act_scale = tl.load(act_scale_ptr + pair * (INTERMEDIATE // 64) + kb, mask=m_ok)
+            w = w2_desc.load([w_row, kb * 64])
+            acc += tl.dot(w, act_t) * (act_scale[None, :] * tl.load(scales + kb // 2))
+    tl.store(y_ptr + pair[None, :] * HIDDEN + n[:, None], acc, mask=m_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs", "first_expert"])
@@ -421,44 +569,43 @@ def _l2_kernel(
     SCAN: tl.constexpr,
     PAIRS: tl.constexpr,
     PDL: tl.constexpr,
+    PERSISTENT: tl.constexpr,
 ) -> None:
-    """One expert's ``BLOCK_N`` output columns ``program_id(1)`` (the expert as in l1).
+    """One expert's ``BLOCK_N`` output columns ``program_id(1)``, or with ``PERSISTENT`` items.
 
-    ``w2_desc``: the (E * H, I) weights in ``BLOCK_N`` x 64 tiles; ``STEP`` of them per loop
-    step. With ``PDL`` it finds its expert while l1 runs (the ids and the route table are
-    older than l1) and waits for l1 before reading its rows; a program with nothing to do
-    waits too, so that the launch never ends before l1 has.
+    The expert and the items as in l1 (items of ``BLOCK_N`` columns). With ``PDL`` it finds
+    its expert while l1 runs (the ids and the route table are older than l1) and waits for
+    l1 before reading its rows; a program with nothing to do waits too, so that the launch
+    never ends before l1 has.
     """
-    skip, expert, count, sorted_ptr, mine, rank, q = _program_expert(
-        ids_ptr, table_ptr, num_pairs, first_expert, NUM_EXPERTS, SCAN, PAIRS
-    )
-    if PDL:
-        gdc_wait()
-    if skip:
-        return
-    if PDL:
-        gdc_launch_dependents()
-    tile = tl.program_id(1)
-    KS: tl.constexpr = INTERMEDIATE // 128
-    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = tl.arange(0, 64)
-    w_row = expert * HIDDEN + tile * BLOCK_N
-    scales = w2_scale_ptr + expert.to(tl.int64) * (HIDDEN // 128) * KS
-    scales += ((tile * BLOCK_N) // 128) * KS
-    for m0 in range(0, count, BLOCK_M):
-        m_ok = m0 + tl.arange(0, BLOCK_M) < count
-        pair = _expert_pairs(sorted_ptr, mine, rank, q, m0, m_ok, SCAN, BLOCK_M)
-        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        for kb0 in range(0, INTERMEDIATE // 64, STEP):
-            for step in tl.static_range(STEP):
-                kb = kb0 + step
-                cols = kb * 64 + k
-                act_at = act_ptr + pair[:, None] * INTERMEDIATE + cols[None, :]
-                act_t = tl.trans(tl.load(act_at, mask=m_ok[:, None], other=0.0))
-                act_scale = tl.load(act_scale_ptr + pair * (INTERMEDIATE // 64) + kb, mask=m_ok)
-                w = w2_desc.load([w_row, kb * 64])
-                acc += tl.dot(w, act_t) * (act_scale[None, :] * tl.load(scales + kb // 2))
-        tl.store(y_ptr + pair[None, :] * HIDDEN + n[:, None], acc, mask=m_ok[None, :])
+    if PERSISTENT:
+        if PDL:
+            gdc_wait()
+        NT: tl.constexpr = HIDDEN // BLOCK_N
+        items = tl.load(_expert_tiles(table_ptr, num_pairs, NUM_EXPERTS)) * NT
+        for item in range(tl.program_id(0), items, tl.num_programs(0)):
+            expert, m_ok, pair = _tile_pairs(table_ptr, item // NT, num_pairs, NUM_EXPERTS, BLOCK_M)
+            _l2_tile(
+                act_ptr, act_scale_ptr, w2_desc, w2_scale_ptr, y_ptr, expert, item % NT, pair,
+                m_ok, HIDDEN, INTERMEDIATE, BLOCK_M, BLOCK_N, STEP,
+            )  # fmt: skip
+    else:
+        skip, expert, count, sorted_ptr, mine, rank, q = _program_expert(
+            ids_ptr, table_ptr, num_pairs, first_expert, NUM_EXPERTS, SCAN, PAIRS
+        )
+        if PDL:
+            gdc_wait()
+        if skip:
+            return
+        if PDL:
+            gdc_launch_dependents()
+        for m0 in range(0, count, BLOCK_M):
+            m_ok = m0 + tl.arange(0, BLOCK_M) < count
+            pair = _expert_pairs(sorted_ptr, mine, rank, q, m0, m_ok, SCAN, BLOCK_M)
+            _l2_tile(
+                act_ptr, act_scale_ptr, w2_desc, w2_scale_ptr, y_ptr, expert, tl.program_id(1),
+                pair, m_ok, HIDDEN, INTERMEDIATE, BLOCK_M, BLOCK_N, STEP,
+            )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["first_expert"])
@@ -589,7 +736,13 @@ class SmallBatchExperts:
         self.swiglu_limit = swiglu_limit
         self.max_tokens = max_tokens
         pairs = max_tokens * top_k
-        self._table = torch.empty(3 * num_experts + 1 + 2 * pairs, dtype=torch.int32, device=device)
+        # Expert tiles of persistent calls: at most one partial tile per active expert.
+        self._max_expert_tiles = min(num_experts, pairs) + pairs // BATCH_TILES.block_m
+        self._table = torch.empty(
+            3 * num_experts + 2 + 2 * pairs + self._max_expert_tiles, dtype=torch.int32,
+            device=device,
+        )  # fmt: skip
+        self._sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._x_fp8 = torch.empty(max_tokens, hidden, dtype=torch.float8_e4m3fn, device=device)
         self._x_scale = torch.empty(
             max_tokens, hidden // SCALE_BLOCK, dtype=torch.float32, device=device
@@ -602,11 +755,14 @@ class SmallBatchExperts:
         # The constexprs that the layer fixes, made once (eager calls pay host time per launch).
         experts_pow2 = triton.next_power_of_2(num_experts)
         self._route_c = {
-            (cast, pdl, group): (num_experts, experts_pow2, hidden, cast, pdl, group)
+            (cast, tiles, group): (
+                num_experts, experts_pow2, hidden, cast, tiles.pdl, group,
+                tiles.block_m if group and tiles.persistent else 0,
+            )
             for cast in (False, True)
-            for pdl in (False, True)
+            for tiles in (DECODE_TILES, BATCH_TILES)
             for group in (False, True)
-        }
+        }  # fmt: skip
         clamp = (swiglu_limit is not None, 0.0 if swiglu_limit is None else swiglu_limit)
         self._l1_c = (num_experts, top_k, hidden, intermediate, *clamp)
         self._l2_c = (num_experts, hidden, intermediate)
@@ -658,9 +814,10 @@ class SmallBatchExperts:
         x, x_scale = self._x_fp8, self._x_scale
         if hidden_scale is not None:  # the router wrote FP8 tokens by the same rule
             x, x_scale = hidden_states, hidden_scale
-        scan = pairs <= SCAN_PAIRS  # l1 and l2 find the pairs themselves: no grouping
+        # l1 and l2 find the pairs themselves: no grouping
+        scan = pairs <= SCAN_PAIRS and not tiles.persistent
         if cast or not scan:  # FP8 tokens at scan sizes need no route launch at all
-            route_c = self._route_c[(cast, tiles.pdl, not scan)]
+            route_c = self._route_c[(cast, tiles, not scan)]
             casts = triton.cdiv(tokens, CAST_ROWS) * (self.hidden // SCALE_BLOCK) if cast else 0
             _route(
                 _key(route_c, topk_ids, hidden_states),
@@ -669,28 +826,33 @@ class SmallBatchExperts:
                  tokens, self.first_expert),
                 route_c, ROUTE_WARPS,
             )  # fmt: skip
-        if scan:
-            programs, scan_pairs = pairs, max(16, triton.next_power_of_2(pairs))
+        l1_tiles, l2_tiles = self.intermediate // BLOCK_N1, self.hidden // tiles.block_n2
+        if tiles.persistent:  # as many items as expert tiles of the call times column tiles
+            most = pairs // tiles.block_m + min(self.num_experts, pairs)
+            l1_grid = (min(most * l1_tiles, self._sms * L1_PROGRAMS_PER_SM), 1, 1)
+            l2_grid = (min(most * l2_tiles, self._sms * L2_PROGRAMS_PER_SM), 1, 1)
+            scan_pairs = 16
         else:
-            programs, scan_pairs = min(self.num_experts, pairs), 16
+            programs = pairs if scan else min(self.num_experts, pairs)
+            l1_grid, l2_grid = (programs, l1_tiles, 1), (programs, l2_tiles, 1)
+            scan_pairs = max(16, triton.next_power_of_2(pairs)) if scan else 16
         w13_desc = weights.descriptor("w13", (2 * BLOCK_N1, SCALE_BLOCK))
         w2_desc = weights.descriptor("w2", (tiles.block_n2, ACT_GROUP))
-        l1_c = (*self._l1_c, tiles.block_m, scan, scan_pairs, tiles.pdl)
+        l1_c = (*self._l1_c, tiles.block_m, scan, scan_pairs, tiles.pdl, tiles.persistent)
         l1_pdl = tiles.pdl and (cast or not scan)  # after the route launch, where there is one
         _l1(
             _key((l1_c, tiles, l1_pdl), x, x_scale, w13, w13_scale, topk_weights, topk_ids),
-            (programs, self.intermediate // BLOCK_N1, 1), index,
+            l1_grid, index,
             (x, x_scale, w13_desc, w13_scale, topk_weights, topk_ids, self._table, self._act,
              self._act_scale, pairs, self.first_expert),
             l1_c, tiles.warps, tiles.stages, l1_pdl,
         )  # fmt: skip
         l2_c = (
             *self._l2_c, tiles.block_m, tiles.block_n2, tiles.l2_step, scan, scan_pairs,
-            tiles.pdl,
+            tiles.pdl, tiles.persistent,
         )  # fmt: skip
         _l2(
-            _key((l2_c, tiles), w2, w2_scale, topk_ids),
-            (programs, self.hidden // tiles.block_n2, 1), index,
+            _key((l2_c, tiles), w2, w2_scale, topk_ids), l2_grid, index,
             (self._act, self._act_scale, w2_desc, w2_scale, topk_ids, self._table, self._rows,
              pairs, self.first_expert),
             l2_c, tiles.warps, l2_stages(tiles, self.intermediate), tiles.pdl,
