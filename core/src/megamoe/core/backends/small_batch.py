@@ -8,11 +8,12 @@ per call, a little per program of its kernels, and past decode sizes computes le
 efficiently. Both are modelled as ``max(fixed, per_slot * E * top_k) + per_program *
 programs + active bytes / bandwidth + FLOPs / throughput`` (:class:`PathCost`, fitted to
 both real layers' graphed timings on the H200, ``docs/gpu.md``), with the active experts
-expected under uniform routing. The small-batch kernels also stream an expert's weights
-once per tile of ``MAX_ROWS_PER_EXPERT`` tokens, so they are taken only while the expected
-tokens per active expert fit one tile. A layer takes the small-batch path for every call of
-up to :func:`crossover_tokens` tokens, the first token count at which either condition
-fails; so a fixed token count always takes one path and a CUDA graph captures one.
+expected under uniform routing. A layer takes the small-batch path for every call of up to
+:func:`crossover_tokens` tokens, the last token count at which it is predicted no slower;
+so a fixed token count always takes one path and a CUDA graph captures one. (Past 512
+tokens the small-batch kernels' persistent programs take an expert's tiles of 32 tokens
+side by side, so the tiles after its first find its weights in L2: Qwen4-Exp at 4096 tokens,
+80 per active expert, ran in 0.68 of MegaMoE's time.)
 
 ``experts_path`` (an option of ``MegaMoEExperts`` and of both blocks) forces either path:
 ``"small_batch"`` for every call the layer's ``max_num_tokens`` allows, ``"megamoe"`` for
@@ -67,8 +68,12 @@ class PathCost:
 # 1-1024 tokens, 2026-12-04 with TMA tile copies, docs/gpu.md): the small-batch path within
 # 10% (its weights stream at the HBM peak; what it loses to that is per call and per
 # program), MegaMoE within 22% (its fixed term is below both layers' per-slot one, kept
-# from the first fit).
-# Where the two paths are within that of each other the rule may pick the slower one.
+# from the first fit). The next run (persistent batch programs, 1-4096 tokens) falls within
+# 17% of the small-batch model and, to 2048 tokens, 22% of MegaMoE's (at 4096, -40% and
+# +37%: MegaMoE's own batch tiles); a refit placed the crossovers no closer to the measured
+# ones, so the constants stay.
+# Where the two paths are within that of each other the rule may pick the slower one
+# (GLM-5.3-Flash at 1024 tokens: MegaMoE, 2333 us against the small-batch path's 2211).
 SMALL_BATCH_COST = PathCost(
     fixed_us=12.25, per_slot_us=0.0, per_program_us=0.0026, bandwidth=4.8e12, flops=4.19e14
 )
@@ -77,10 +82,6 @@ MEGAMOE_COST = PathCost(
 )
 # Columns of an expert's intermediate (l1) and hidden (l2) per small-batch program.
 COLUMNS_PER_PROGRAM = 64
-# Tokens per tile of the small-batch kernels from 512 tokens (kernels.experts_small_batch
-# tiles_for): more per active expert and they stream its weights again per tile (Qwen4-Exp
-# at 2048 tokens, 40 per expert: 977 us against MegaMoE's 812).
-MAX_ROWS_PER_EXPERT = 32
 
 
 @dataclass(frozen=True)
@@ -121,27 +122,17 @@ class LayerWork:
         overhead = max(cost.fixed_us, cost.per_slot_us * self.num_local_experts * self.top_k)
         return overhead + cost.per_program_us * programs + 1e6 * (weights + flops)
 
-    def rows_per_active_expert(self, tokens: int) -> float:
-        """This rank's (token, slot) pairs per active local expert, expected."""
-        active = self.active_experts(tokens)
-        local_pairs = tokens * self.top_k * self.num_local_experts / self.num_experts
-        return local_pairs / active if active else 0.0
-
 
 @functools.lru_cache(maxsize=256)
 def crossover_tokens(work: LayerWork, max_tokens: int) -> int:
     """The most tokens per call for which the small-batch path is predicted no slower.
 
     Every call of up to that many tokens takes it: the first token count at which MegaMoE is
-    predicted faster, or at which an active expert expects more than ``MAX_ROWS_PER_EXPERT``
-    tokens, ends the range (0: never), capped at ``max_tokens``. Remembered per layer shape:
-    the layers of a model share a few.
+    predicted faster ends the range (0: never), capped at ``max_tokens``. Remembered per
+    layer shape: the layers of a model share a few.
     """
     for tokens in range(1, max_tokens + 1):
-        slower = work.predicted_us(SMALL_BATCH_COST, tokens) > work.predicted_us(
-            MEGAMOE_COST, tokens
-        )
-        if slower or work.rows_per_active_expert(tokens) > MAX_ROWS_PER_EXPERT:
+        if work.predicted_us(SMALL_BATCH_COST, tokens) > work.predicted_us(MEGAMOE_COST, tokens):
             return tokens - 1
     return max_tokens
 
