@@ -12,8 +12,8 @@ expected under uniform routing. A layer takes the small-batch path for every cal
 :func:`crossover_tokens` tokens, the last token count at which it is predicted no slower;
 so a fixed token count always takes one path and a CUDA graph captures one. (Past 512
 tokens the small-batch kernels' persistent programs take an expert's tiles of 32 tokens
-side by side, so the tiles after its first find its weights in L2: Qwen4-Exp at 4096 tokens,
-80 per active expert, ran in 0.68 of MegaMoE's time.)
+side by side, so the tiles after its first can find its weights in L2: Qwen4-Exp at 4096
+tokens, 80 per active expert, ran in 0.68 of MegaMoE's time.)
 
 ``experts_path`` (an option of ``MegaMoEExperts`` and of both blocks) forces either path:
 ``"small_batch"`` for every call the layer's ``max_num_tokens`` allows, ``"megamoe"`` for
@@ -69,9 +69,9 @@ class PathCost:
 # 10% (its weights stream at the HBM peak; what it loses to that is per call and per
 # program), MegaMoE within 22% (its fixed term is below both layers' per-slot one, kept
 # from the first fit). The next run (persistent batch programs, 1-4096 tokens) falls within
-# 17% of the small-batch model and, to 2048 tokens, 22% of MegaMoE's (at 4096, -40% and
-# +37%: MegaMoE's own batch tiles); a refit placed the crossovers no closer to the measured
-# ones, so the constants stay.
+# 17% of the small-batch model and, to 2048 tokens, 22% of MegaMoE's (at 4096 tokens its
+# model is 40% under its time on Qwen4-Exp, 37% over on GLM-5.3-Flash); a refit placed the
+# crossovers no closer to the measured ones, so the constants stay.
 # Where the two paths are within that of each other the rule may pick the slower one
 # (GLM-5.3-Flash at 1024 tokens: MegaMoE, 2333 us against the small-batch path's 2211).
 SMALL_BATCH_COST = PathCost(

@@ -9,25 +9,30 @@ launch before it runs, and wait for it only before reading what it wrote):
 
 1. **route** (program 0, plus cast programs): the (token, slot) pairs of each local expert,
    grouped by expert (counts, offsets, the pairs in expert order, the list of experts that
-   have any), and the tokens cast to FP8 E4M3 with a float32 scale per 128 columns, the
+   have any and, for persistent programs, each one's tiles of ``block_m`` pairs), and the
+   tokens cast to FP8 E4M3 with a float32 scale per 128 columns, the
    dispatch buffer's rule, one program per 128 columns of 4 tokens (no cast when the router
    already wrote them there). Up to ``SCAN_PAIRS`` pairs there is no grouping: each l1 and
    l2 program scans the ids for its expert's pairs itself, and the first pair of each
    expert leads it (no route launch at all for FP8 tokens, its cast programs alone for
    bf16 ones);
-2. **l1** (a program per active expert and 64 intermediate columns): the gate and up rows
+2. **l1** (a program per active expert and 64 intermediate columns; from 512 tokens
+   ``L1_PROGRAMS_PER_SM`` persistent programs per SM, each taking (expert tile, 64 columns)
+   items in turn): the gate and up rows
    of the block-FP8 ``w13`` (stored with gate and up rows interleaved in groups of 8,
    ``l1_order``) against the expert's tokens, 128x128 float32 block scales, SwiGLU with the
    layer's clamp, times the top-k weight, cast to FP8 with a power-of-two scale per 64
    columns (the Hopper kernel's rounding of its intermediate);
-3. **l2** (a program per active expert and ``block_n2`` hidden columns): ``w2`` against
-   those rows, one float32 row per (token, slot);
-4. **combine** (a program per token and 1024 columns): the slots' rows summed in slot order,
+3. **l2** (a program per active expert and ``block_n2`` hidden columns, or persistent
+   programs as l1's): ``w2`` against those rows, one float32 row per (token, slot);
+4. **combine** (a program per token and 256 columns): the slots' rows summed in slot order,
    unused and other ranks' slots skipped, rounded to bf16.
 
-Every active expert's weights are read once per call, whatever the number of its tokens
-(its tokens are tiles of ``block_m`` rows inside one program), in tiles that the Tensor
-Memory Accelerator copies (host-side tensor descriptors over the resident ``w13`` and
+Every active expert's weights are streamed once per tile of ``block_m`` of its tokens: once
+per call at decode sizes, where one tile holds them (one program loops over its tiles);
+from 512 tokens its tiles are items that the persistent programs take side by side, so the
+later ones can read its weights from L2. They come in tiles that the Tensor Memory
+Accelerator copies (host-side tensor descriptors over the resident ``w13`` and
 ``w2``, made once per tensor and tile shape). The numerics are the Hopper
 kernel's, so the reference backend's emulation (``emulate_kernel=True``) is the oracle of
 both; the GEMMs accumulate in another order than the kernel's (float32 sums, so outputs
@@ -36,8 +41,10 @@ order an expert's pairs are listed in (each row's sums are its own), so a replay
 graph gives the bits of the eager call.
 
 The grid is fixed by the token count (the largest possible number of active experts, or
-of pairs when scanning), so a CUDA graph captures one launch sequence per token count;
-programs beyond the call's active experts return at once. No host sync.
+of pairs when scanning, or the persistent programs of the device's SMs), so a CUDA graph
+captures one launch sequence per token count; programs beyond the call's active experts
+return at once, and persistent ones take as many items as the route table lists. No host
+sync.
 """
 
 from __future__ import annotations
