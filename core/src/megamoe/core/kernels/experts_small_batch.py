@@ -351,16 +351,20 @@ def _expert_pairs(
     rank: tl.tensor,
     q: tl.tensor,
     m0: int,
-    m_ok: tl.tensor,
+    count: tl.tensor,
     SCAN: tl.constexpr,
     BLOCK_M: tl.constexpr,
-) -> tl.tensor:
-    """The expert's pairs of ranks ``m0 .. m0 + BLOCK_M`` (int64; 0 past its count)."""
+) -> tuple[tl.tensor, tl.tensor]:
+    """The expert's pairs of ranks ``m0 .. m0 + BLOCK_M``: which rows hold one, the pairs.
+
+    The pairs are int64, 0 past the expert's ``count``.
+    """
+    m_ok = m0 + tl.arange(0, BLOCK_M) < count
     if SCAN:
         pair = _scanned_rows(mine, rank, q, m0, BLOCK_M)
     else:
         pair = tl.load(sorted_ptr + m0 + tl.arange(0, BLOCK_M), mask=m_ok, other=0)
-    return pair.to(tl.int64)
+    return m_ok, pair.to(tl.int64)
 
 
 @triton.jit
@@ -506,8 +510,7 @@ def _l1_kernel(
         if PDL:
             gdc_launch_dependents()
         for m0 in range(0, count, BLOCK_M):
-            m_ok = m0 + tl.arange(0, BLOCK_M) < count
-            pair = _expert_pairs(sorted_ptr, mine, rank, q, m0, m_ok, SCAN, BLOCK_M)
+            m_ok, pair = _expert_pairs(sorted_ptr, mine, rank, q, m0, count, SCAN, BLOCK_M)
             _l1_tile(
                 x_ptr, x_scale_ptr, w13_desc, w13_scale_ptr, weights_ptr, act_ptr, act_scale_ptr,
                 expert, tl.program_id(1), pair, m_ok, TOP_K, HIDDEN, INTERMEDIATE, CLAMP, LIMIT,
@@ -607,8 +610,7 @@ def _l2_kernel(
         if PDL:
             gdc_launch_dependents()
         for m0 in range(0, count, BLOCK_M):
-            m_ok = m0 + tl.arange(0, BLOCK_M) < count
-            pair = _expert_pairs(sorted_ptr, mine, rank, q, m0, m_ok, SCAN, BLOCK_M)
+            m_ok, pair = _expert_pairs(sorted_ptr, mine, rank, q, m0, count, SCAN, BLOCK_M)
             _l2_tile(
                 act_ptr, act_scale_ptr, w2_desc, w2_scale_ptr, y_ptr, expert, tl.program_id(1),
                 pair, m_ok, HIDDEN, INTERMEDIATE, BLOCK_M, BLOCK_N, STEP,
