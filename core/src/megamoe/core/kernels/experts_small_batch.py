@@ -156,6 +156,14 @@ def tiles_for(tokens: int) -> Tiles:
     return DECODE_TILES if tokens < 512 else BATCH_TILES
 
 
+def most_expert_tiles(pairs: int, num_experts: int, block_m: int) -> int:
+    """The most expert tiles of ``block_m`` pairs that ``pairs`` pairs make (the route table's).
+
+    Each active expert has at most one partial tile.
+    """
+    return pairs // block_m + min(num_experts, pairs)
+
+
 def l2_stages(tiles: Tiles, intermediate: int) -> int:
     """l2's pipeline depth: the tiles' stages, at most one fewer than its loop's steps.
 
@@ -740,17 +748,23 @@ class SmallBatchExperts:
                 f"small-batch experts: hidden {hidden} and intermediate {intermediate} must be "
                 f"multiples of {SCALE_BLOCK} (the block scales' size)"
             )
+        most_experts, most_tokens = (1 << 31) // TILE_LIMIT, TILE_LIMIT * BATCH_TILES.block_m
+        if num_experts > most_experts or max_tokens > most_tokens:
+            raise ValueError(
+                f"small-batch experts: {num_experts} local experts and max_tokens {max_tokens}; "
+                f"at most {most_experts} and {most_tokens} (the route table packs an expert "
+                f"tile in one int32, expert * {TILE_LIMIT} + tile); give the layer a smaller "
+                "max_num_tokens, or experts_path='megamoe'"
+            )
         self.num_experts, self.first_expert, self.top_k = num_experts, first_expert, top_k
         self.hidden, self.intermediate = hidden, intermediate
         self.swiglu_limit = swiglu_limit
         self.max_tokens = max_tokens
         pairs = max_tokens * top_k
-        # Expert tiles of persistent calls: at most one partial tile per active expert.
-        self._max_expert_tiles = min(num_experts, pairs) + pairs // BATCH_TILES.block_m
+        expert_tiles = most_expert_tiles(pairs, num_experts, BATCH_TILES.block_m)
         self._table = torch.empty(
-            3 * num_experts + 2 + 2 * pairs + self._max_expert_tiles, dtype=torch.int32,
-            device=device,
-        )  # fmt: skip
+            3 * num_experts + 2 + 2 * pairs + expert_tiles, dtype=torch.int32, device=device
+        )
         self._sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._x_fp8 = torch.empty(max_tokens, hidden, dtype=torch.float8_e4m3fn, device=device)
         self._x_scale = torch.empty(
@@ -835,15 +849,15 @@ class SmallBatchExperts:
                  tokens, self.first_expert),
                 route_c, ROUTE_WARPS,
             )  # fmt: skip
-        l1_tiles, l2_tiles = self.intermediate // BLOCK_N1, self.hidden // tiles.block_n2
+        l1_columns, l2_columns = self.intermediate // BLOCK_N1, self.hidden // tiles.block_n2
         if tiles.persistent:  # as many items as expert tiles of the call times column tiles
-            most = pairs // tiles.block_m + min(self.num_experts, pairs)
-            l1_grid = (min(most * l1_tiles, self._sms * L1_PROGRAMS_PER_SM), 1, 1)
-            l2_grid = (min(most * l2_tiles, self._sms * L2_PROGRAMS_PER_SM), 1, 1)
+            most = most_expert_tiles(pairs, self.num_experts, tiles.block_m)
+            l1_grid = (min(most * l1_columns, self._sms * L1_PROGRAMS_PER_SM), 1, 1)
+            l2_grid = (min(most * l2_columns, self._sms * L2_PROGRAMS_PER_SM), 1, 1)
             scan_pairs = 16
         else:
             programs = pairs if scan else min(self.num_experts, pairs)
-            l1_grid, l2_grid = (programs, l1_tiles, 1), (programs, l2_tiles, 1)
+            l1_grid, l2_grid = (programs, l1_columns, 1), (programs, l2_columns, 1)
             scan_pairs = max(16, triton.next_power_of_2(pairs)) if scan else 16
         w13_desc = weights.descriptor("w13", (2 * BLOCK_N1, SCALE_BLOCK))
         w2_desc = weights.descriptor("w2", (tiles.block_n2, ACT_GROUP))
