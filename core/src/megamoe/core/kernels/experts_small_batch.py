@@ -24,9 +24,11 @@ launch before it runs, and wait for it only before reading what it wrote):
    layer's clamp, times the top-k weight, cast to FP8 with a power-of-two scale per 64
    columns (the Hopper kernel's rounding of its intermediate);
 3. **l2** (a program per active expert and ``block_n2`` hidden columns, or persistent
-   programs as l1's): ``w2`` against those rows, one float32 row per (token, slot);
-4. **combine** (a program per token and 256 columns): the slots' rows summed in slot order,
-   unused and other ranks' slots skipped, rounded to bf16.
+   programs as l1's): ``w2`` against those rows, one bf16 row per (token, slot), as the
+   Hopper kernel rounds its experts' outputs before its combine;
+4. **combine** (a program per token and 256 columns): the slots' rows summed in float32 in
+   slot order, unused and other ranks' slots skipped, rounded to bf16 (the Hopper kernel's
+   combine).
 
 Every active expert's weights are streamed once per tile of ``block_m`` of its tokens: once
 per call at decode sizes, where one tile holds them (one program loops over its tiles);
@@ -564,7 +566,8 @@ def _l2_tile(
             act_scale = tl.load(act_scale_ptr + pair * (INTERMEDIATE // 64) + kb, mask=m_ok)
             w = w2_desc.load([w_row, kb * 64])
             acc += tl.dot(w, act_t) * (act_scale[None, :] * tl.load(scales + kb // 2))
-    tl.store(y_ptr + pair[None, :] * HIDDEN + n[:, None], acc, mask=m_ok[None, :])
+    y = acc.to(tl.bfloat16)
+    tl.store(y_ptr + pair[None, :] * HIDDEN + n[:, None], y, mask=m_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs", "first_expert"])
@@ -650,7 +653,8 @@ def _combine_kernel(
     for j in tl.static_range(TOP_K):
         local = tl.load(ids_ptr + token * TOP_K + j).to(tl.int32) - first_expert
         mine = (local >= 0) & (local < NUM_EXPERTS)
-        acc += tl.load(y_ptr + (token * TOP_K + j) * HIDDEN + cols, mask=cols_ok & mine, other=0.0)
+        y_at = y_ptr + (token * TOP_K + j) * HIDDEN + cols
+        acc += tl.load(y_at, mask=cols_ok & mine, other=0.0).to(tl.float32)
     tl.store(out_ptr + token * HIDDEN + cols, acc.to(tl.bfloat16), mask=cols_ok)
 
 
@@ -716,7 +720,7 @@ class ExpertWeights:
 class SmallBatchExperts:
     """The four launches of one layer shape and the scratch they share, for up to ``max_tokens``.
 
-    The scratch (the grouping table, the tokens in FP8, the intermediate in FP8, a float32
+    The scratch (the grouping table, the tokens in FP8, the intermediate in FP8, a bf16
     row per (token, slot)) holds activations only; layers of one shape on one device share
     one (``megamoe.core.backends.small_batch``), as they share the kernel's symmetric buffer.
 
@@ -774,7 +778,7 @@ class SmallBatchExperts:
         self._act_scale = torch.empty(
             pairs, intermediate // ACT_GROUP, dtype=torch.float32, device=device
         )
-        self._rows = torch.empty(pairs, hidden, dtype=torch.float32, device=device)
+        self._rows = torch.empty(pairs, hidden, dtype=torch.bfloat16, device=device)
         # The constexprs that the layer fixes, made once (eager calls pay host time per launch).
         experts_pow2 = triton.next_power_of_2(num_experts)
         self._route_c = {
