@@ -240,6 +240,40 @@ def test_a_batch_graph_replay_gives_the_eager_bits(
     assert_bitwise_equal(replayed_output(lambda: small(x, weights, ids)), eager, "replay")
 
 
+@pytest.mark.parametrize("mode", ["uniform", "one"])
+def test_the_spread_grouping_gives_the_one_program_grouping_bits(
+    monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """From 512 tokens counting programs and a place launch group the pairs (12 blocks here,
+    more than a place program sums per step); the same call on the decode tiles, grouped by
+    one program, gives the same bits. A third of the experts are another rank's."""
+    kernels = importlib.import_module(KERNEL_MODULE)
+    experts_count, top_k, hidden, inter, _ = SHAPES["qwen4exp"]
+    first, tokens = experts_count // 3, 1200
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    local = experts_count - first
+    w13 = torch.randn(local, 2 * inter, hidden, device="cuda", generator=gen)
+    w2 = torch.randn(local, hidden, inter, device="cuda", generator=gen)
+    scales = [
+        torch.rand(local, rows // 128, cols // 128, device="cuda", generator=gen) / 64 + 1e-3
+        for rows, cols in ((2 * inter, hidden), (hidden, inter))
+    ]
+    weights = kernels.ExpertWeights(
+        w13.to(torch.float8_e4m3fn), scales[0], w2.to(torch.float8_e4m3fn), scales[1]
+    )
+    call = kernels.SmallBatchExperts(
+        num_experts=local, first_expert=first, top_k=top_k, hidden=hidden, intermediate=inter,
+        swiglu_limit=None, max_tokens=tokens, device=torch.device("cuda"),
+    )  # fmt: skip
+    x, topk_weights, ids = routing("qwen4exp", tokens, seed=17, mode=mode)
+    if mode == "one":
+        ids[:, 0] = first + 1  # a local expert: 1200 of its pairs, 38 tiles
+    assert kernels.tiles_for(tokens).persistent
+    spread = call.forward(weights, x, None, topk_weights, ids)
+    monkeypatch.setattr(kernels, "tiles_for", lambda _: kernels.DECODE_TILES)
+    assert_bitwise_equal(call.forward(weights, x, None, topk_weights, ids), spread, mode)
+
+
 def test_the_kernels_refuse_weights_the_tma_cannot_read() -> None:
     kernels = importlib.import_module(KERNEL_MODULE)
     w = torch.zeros(2, 256, 257, dtype=torch.float8_e4m3fn, device="cuda")

@@ -2,7 +2,7 @@
 
 DeepGEMM's MegaMoE kernel costs 110-175 us per layer on one H200 rank whatever the batch
 (its dispatch, barriers and persistent schedule), more than reading a decode step's active
-experts takes. This path runs the same layer in three or four Triton launches over the
+experts takes. This path runs the same layer in three to five Triton launches over the
 experts' own resident tensors (no second copy of any weight), each launch after the first
 a programmatic dependent one at decode sizes (``Tiles.pdl``: its programs start while the
 launch before it runs, and wait for it only before reading what it wrote):
@@ -15,7 +15,10 @@ launch before it runs, and wait for it only before reading what it wrote):
    already wrote them there). Up to ``SCAN_PAIRS`` pairs there is no grouping: each l1 and
    l2 program scans the ids for its expert's pairs itself, and the first pair of each
    expert leads it (no route launch at all for FP8 tokens, its cast programs alone for
-   bf16 ones);
+   bf16 ones). From 512 tokens the grouping is spread: one counting program per
+   ``COUNT_BLOCK`` pairs (each ranks its block's pairs per expert), then a **place** launch
+   of as many programs puts them in expert order (one program grouping 40960 pairs alone
+   took 105 us; spread, 33);
 2. **l1** (a program per active expert and 64 intermediate columns; from 512 tokens
    ``L1_PROGRAMS_PER_SM`` persistent programs per SM, each taking (expert tile, 64 columns)
    items in turn): the gate and up rows
@@ -80,6 +83,8 @@ L1_GROUP = 8  # gate/up rows interleaved in groups of 8 (DeepGEMM's L1 order)
 BLOCK_N1 = ACT_GROUP  # intermediate columns per l1 program: one act scale group
 ROUTE_BLOCK = 4096  # pairs per step of the route program
 ROUTE_WARPS = 8  # warps of each route program (the grouping one's step: 16 pairs a thread)
+COUNT_BLOCK = 1024  # pairs per counting program, when the grouping is spread (persistent)
+COUNT_ROWS = 8  # blocks' counts each place program sums per step
 CAST_ROWS = 4  # token rows per cast program of the route launch
 COMBINE_BLOCK = 256  # hidden columns per combine program
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn magnitude
@@ -88,6 +93,7 @@ ACT_AMAX_FLOOR = 1e-4  # the intermediate's amax floor (the Hopper kernel's, AMA
 TILE_LIMIT = 1 << 16  # an expert tile entry: expert * TILE_LIMIT + its tile (of fewer tiles)
 _CAST_ROWS = tl.constexpr(CAST_ROWS)
 _ROUTE_BLOCK = tl.constexpr(ROUTE_BLOCK)
+_COUNT_ROWS = tl.constexpr(COUNT_ROWS)
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 _E4M3_RECIPROCAL = tl.constexpr(1.0 / E4M3_MAX)
 _TOKEN_AMAX_FLOOR = tl.constexpr(TOKEN_AMAX_FLOOR)
@@ -178,73 +184,23 @@ def l2_stages(tiles: Tiles, intermediate: int) -> int:
     return max(2, min(tiles.stages, steps - 1))
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_tokens", "first_expert"])
-def _route_kernel(
-    ids_ptr: tl.tensor,
+@triton.jit
+def _write_groups(
     table_ptr: tl.tensor,
-    x_ptr: tl.tensor,
-    x_fp8_ptr: tl.tensor,
-    x_scale_ptr: tl.tensor,
+    counts: tl.tensor,
+    experts: tl.tensor,
     num_pairs: int,
-    num_tokens: int,
-    first_expert: int,
     NUM_EXPERTS: tl.constexpr,
-    EXPERTS_POW2: tl.constexpr,
-    HIDDEN: tl.constexpr,
-    CAST: tl.constexpr,
-    PDL: tl.constexpr,
-    GROUP: tl.constexpr,
     TILE_M: tl.constexpr,
-) -> None:
-    """Program 0 groups the pairs by expert; programs 1.. cast 128 columns of 4 tokens each.
+) -> tl.tensor:
+    """The route table's offsets, active experts and expert tiles from each expert's count.
 
-    ``table``: counts (E), offsets (E), active experts (E), their number (1), each pair's
-    rank within its expert (pairs), the pairs in expert order (pairs); int32. With ``TILE_M``
-    (persistent programs' tiles) it goes on with the number of expert tiles (1), then each
-    active expert's tiles of ``TILE_M`` pairs (``expert * TILE_LIMIT + tile``). Without
-    ``GROUP`` program 0 does nothing (l1 and l2 scan the ids). With ``PDL`` l1's programs
-    may start at once (they wait for this launch to end). The counters are relaxed atomics:
-    the program's barriers order them, and no other program reads them before it ends.
+    The expert tiles only with ``TILE_M`` (the route kernel's docstring). Returns the offsets.
     """
-    if PDL:
-        gdc_launch_dependents()
-    pid = tl.program_id(0)
-    if pid > 0:
-        if CAST:  # one block of 128 columns of CAST_ROWS tokens: one load, one store
-            KB: tl.constexpr = HIDDEN // 128
-            kb = (pid - 1) % KB
-            rows = ((pid - 1) // KB) * _CAST_ROWS + tl.arange(0, _CAST_ROWS)
-            rows_ok = rows < num_tokens
-            at = rows[:, None].to(tl.int64) * HIDDEN + kb * 128 + tl.arange(0, 128)[None, :]
-            x = tl.load(x_ptr + at, mask=rows_ok[:, None], other=0.0).to(tl.float32)
-            amax = tl.maximum(tl.max(tl.abs(x), axis=1), _TOKEN_AMAX_FLOOR)
-            scale = tl.math.div_rn(amax, _E4M3_MAX)
-            x_fp8 = (x * tl.math.div_rn(1.0, scale)[:, None]).to(tl.float8e4nv)
-            tl.store(x_fp8_ptr + at, x_fp8, mask=rows_ok[:, None])
-            tl.store(x_scale_ptr + rows * KB + kb, scale, mask=rows_ok)
-        return
-    if not GROUP:
-        return
-    counts_ptr = table_ptr
-    offsets_ptr = table_ptr + NUM_EXPERTS
-    active_ptr = table_ptr + 2 * NUM_EXPERTS
-    ranks_ptr = table_ptr + 3 * NUM_EXPERTS + 1
-    sorted_ptr = _sorted_pairs(table_ptr, num_pairs, NUM_EXPERTS)
-    experts = tl.arange(0, EXPERTS_POW2)
     experts_ok = experts < NUM_EXPERTS
-    tl.store(counts_ptr + experts, tl.zeros([EXPERTS_POW2], tl.int32), mask=experts_ok)
-    tl.debug_barrier()
-    for start in range(0, num_pairs, _ROUTE_BLOCK):
-        pairs = start + tl.arange(0, _ROUTE_BLOCK)
-        local = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32)
-        local -= first_expert
-        ok = (pairs < num_pairs) & (local >= 0) & (local < NUM_EXPERTS)
-        rank = tl.atomic_add(counts_ptr + local, 1, mask=ok, sem="relaxed")
-        tl.store(ranks_ptr + pairs, rank, mask=ok)
-    tl.debug_barrier()
-    counts = tl.load(counts_ptr + experts, mask=experts_ok, other=0)
     offsets = tl.cumsum(counts, 0) - counts
-    tl.store(offsets_ptr + experts, offsets, mask=experts_ok)
+    tl.store(table_ptr + NUM_EXPERTS + experts, offsets, mask=experts_ok)
+    active_ptr = table_ptr + 2 * NUM_EXPERTS
     used = counts > 0
     tl.store(active_ptr + tl.cumsum(used.to(tl.int32), 0) - 1, experts, mask=used)
     tl.store(active_ptr + NUM_EXPERTS, tl.sum(used.to(tl.int32), 0))
@@ -258,15 +214,184 @@ def _route_kernel(
                 tiles_ptr + 1 + first_tile + tile, experts * _TILE_LIMIT + tile,
                 mask=experts_ok & (tile < expert_tiles),
             )  # fmt: skip
+    return offsets
+
+
+@triton.jit
+def _local_experts(
+    ids_ptr: tl.tensor,
+    pairs: tl.tensor,
+    num_pairs: int,
+    first_expert: int,
+    NUM_EXPERTS: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor]:
+    """The local experts of ``pairs`` and which of them are this rank's (used, in range)."""
+    local = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32)
+    local -= first_expert
+    return local, (pairs < num_pairs) & (local >= 0) & (local < NUM_EXPERTS)
+
+
+@triton.jit
+def _count_block(
+    ids_ptr: tl.tensor,
+    counts_ptr: tl.tensor,
+    ranks_ptr: tl.tensor,
+    block: tl.tensor,
+    num_pairs: int,
+    first_expert: int,
+    NUM_EXPERTS: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
+    COUNT: tl.constexpr,
+) -> None:
+    """Block ``block``'s ``COUNT`` pairs: their count per expert, each one's rank in the block.
+
+    The counts go to ``counts`` (E), the ranks (among the block's pairs of the same expert)
+    to ``ranks``.
+    """
+    experts = tl.arange(0, EXPERTS_POW2)
+    tl.store(counts_ptr + experts, tl.zeros([EXPERTS_POW2], tl.int32), mask=experts < NUM_EXPERTS)
+    tl.debug_barrier()
+    pairs = block * COUNT + tl.arange(0, COUNT)
+    local, ok = _local_experts(ids_ptr, pairs, num_pairs, first_expert, NUM_EXPERTS)
+    rank = tl.atomic_add(counts_ptr + local, 1, mask=ok, sem="relaxed")
+    tl.store(ranks_ptr + pairs, rank, mask=ok)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_tokens", "first_expert"])
+def _route_kernel(
+    ids_ptr: tl.tensor,
+    table_ptr: tl.tensor,
+    block_counts_ptr: tl.tensor,
+    x_ptr: tl.tensor,
+    x_fp8_ptr: tl.tensor,
+    x_scale_ptr: tl.tensor,
+    num_pairs: int,
+    num_tokens: int,
+    first_expert: int,
+    NUM_EXPERTS: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    CAST: tl.constexpr,
+    PDL: tl.constexpr,
+    GROUP: tl.constexpr,
+    TILE_M: tl.constexpr,
+    COUNT: tl.constexpr,
+) -> None:
+    """The grouping programs (one, or one per ``COUNT`` pairs), then the cast programs.
+
+    A cast program casts 128 columns of 4 tokens.
+
+    ``table``: counts (E), offsets (E), active experts (E), their number (1), each pair's
+    rank within its expert (pairs), the pairs in expert order (pairs); int32. With ``TILE_M``
+    (persistent programs' tiles) it goes on with the number of expert tiles (1), then each
+    active expert's tiles of ``TILE_M`` pairs (``expert * TILE_LIMIT + tile``). Without
+    ``GROUP`` program 0 does nothing (l1 and l2 scan the ids). With ``COUNT`` each grouping
+    program counts its block's pairs per expert into its row of ``block_counts`` and ranks
+    them within the block; the place launch finishes the table. With ``PDL`` the next
+    launch's programs may start at once (they wait for this launch to end). The counters are
+    relaxed atomics: the program's barriers order them, and no other program reads them
+    before it ends.
+    """
+    if PDL:
+        gdc_launch_dependents()
+    pid = tl.program_id(0)
+    groups = tl.cdiv(num_pairs, COUNT) if GROUP and COUNT else 1
+    if pid >= groups:
+        if CAST:  # one block of 128 columns of CAST_ROWS tokens: one load, one store
+            KB: tl.constexpr = HIDDEN // 128
+            kb = (pid - groups) % KB
+            rows = ((pid - groups) // KB) * _CAST_ROWS + tl.arange(0, _CAST_ROWS)
+            rows_ok = rows < num_tokens
+            at = rows[:, None].to(tl.int64) * HIDDEN + kb * 128 + tl.arange(0, 128)[None, :]
+            x = tl.load(x_ptr + at, mask=rows_ok[:, None], other=0.0).to(tl.float32)
+            amax = tl.maximum(tl.max(tl.abs(x), axis=1), _TOKEN_AMAX_FLOOR)
+            scale = tl.math.div_rn(amax, _E4M3_MAX)
+            x_fp8 = (x * tl.math.div_rn(1.0, scale)[:, None]).to(tl.float8e4nv)
+            tl.store(x_fp8_ptr + at, x_fp8, mask=rows_ok[:, None])
+            tl.store(x_scale_ptr + rows * KB + kb, scale, mask=rows_ok)
+        return
+    if not GROUP:
+        return
+    ranks_ptr = table_ptr + 3 * NUM_EXPERTS + 1
+    experts = tl.arange(0, EXPERTS_POW2)
+    experts_ok = experts < NUM_EXPERTS
+    if COUNT:
+        _count_block(
+            ids_ptr, block_counts_ptr + pid * NUM_EXPERTS, ranks_ptr, pid, num_pairs, first_expert,
+            NUM_EXPERTS, EXPERTS_POW2, COUNT,
+        )  # fmt: skip
+        return
+    counts_ptr = table_ptr
+    sorted_ptr = _sorted_pairs(table_ptr, num_pairs, NUM_EXPERTS)
+    tl.store(counts_ptr + experts, tl.zeros([EXPERTS_POW2], tl.int32), mask=experts_ok)
     tl.debug_barrier()
     for start in range(0, num_pairs, _ROUTE_BLOCK):
         pairs = start + tl.arange(0, _ROUTE_BLOCK)
-        local = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32)
-        local -= first_expert
-        ok = (pairs < num_pairs) & (local >= 0) & (local < NUM_EXPERTS)
+        local, ok = _local_experts(ids_ptr, pairs, num_pairs, first_expert, NUM_EXPERTS)
+        rank = tl.atomic_add(counts_ptr + local, 1, mask=ok, sem="relaxed")
+        tl.store(ranks_ptr + pairs, rank, mask=ok)
+    tl.debug_barrier()
+    counts = tl.load(counts_ptr + experts, mask=experts_ok, other=0)
+    _write_groups(table_ptr, counts, experts, num_pairs, NUM_EXPERTS, TILE_M)
+    tl.debug_barrier()
+    offsets_ptr = table_ptr + NUM_EXPERTS
+    for start in range(0, num_pairs, _ROUTE_BLOCK):
+        pairs = start + tl.arange(0, _ROUTE_BLOCK)
+        local, ok = _local_experts(ids_ptr, pairs, num_pairs, first_expert, NUM_EXPERTS)
         rank = tl.load(ranks_ptr + pairs, mask=ok, other=0)
         offset = tl.load(offsets_ptr + local, mask=ok, other=0)
         tl.store(sorted_ptr + offset + rank, pairs, mask=ok)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "first_expert"])
+def _place_kernel(
+    ids_ptr: tl.tensor,
+    table_ptr: tl.tensor,
+    block_counts_ptr: tl.tensor,
+    num_pairs: int,
+    first_expert: int,
+    NUM_EXPERTS: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
+    TILE_M: tl.constexpr,
+    COUNT: tl.constexpr,
+    PDL: tl.constexpr,
+) -> None:
+    """Block ``program_id(0)``'s pairs into expert order, after the route's counting programs.
+
+    Every program sums the blocks' counts per expert (all of them, and those before its
+    own): a pair goes to its expert's offset, plus the earlier blocks' pairs of that expert,
+    plus its rank within its block. Program 0 also writes the counts, the offsets, the
+    active experts and the expert tiles. ``block_counts``: the counting programs' rows, then
+    one row per program here (where its pairs' experts start).
+    """
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    block = tl.program_id(0)
+    blocks = tl.cdiv(num_pairs, COUNT)
+    experts = tl.arange(0, EXPERTS_POW2)
+    experts_ok = experts < NUM_EXPERTS
+    counts = tl.zeros([EXPERTS_POW2], tl.int32)
+    before = tl.zeros([EXPERTS_POW2], tl.int32)
+    for row in range(0, blocks, _COUNT_ROWS):
+        rows = row + tl.arange(0, _COUNT_ROWS)
+        at = block_counts_ptr + rows[:, None] * NUM_EXPERTS + experts[None, :]
+        block_counts = tl.load(at, mask=(rows < blocks)[:, None] & experts_ok[None, :], other=0)
+        counts += tl.sum(block_counts, 0)
+        before += tl.sum(tl.where((rows < block)[:, None], block_counts, 0), 0)
+    if block == 0:
+        tl.store(table_ptr + experts, counts, mask=experts_ok)
+        offsets = _write_groups(table_ptr, counts, experts, num_pairs, NUM_EXPERTS, TILE_M)
+    else:
+        offsets = tl.cumsum(counts, 0) - counts
+    starts_ptr = block_counts_ptr + (blocks + block) * NUM_EXPERTS
+    tl.store(starts_ptr + experts, offsets + before, mask=experts_ok)
+    tl.debug_barrier()
+    pairs = block * COUNT + tl.arange(0, COUNT)
+    local, ok = _local_experts(ids_ptr, pairs, num_pairs, first_expert, NUM_EXPERTS)
+    rank = tl.load(table_ptr + 3 * NUM_EXPERTS + 1 + pairs, mask=ok, other=0)
+    start = tl.load(starts_ptr + local, mask=ok, other=0)
+    tl.store(_sorted_pairs(table_ptr, num_pairs, NUM_EXPERTS) + start + rank, pairs, mask=ok)
 
 
 @triton.jit
@@ -667,7 +792,8 @@ def _key(constexprs: Hashable, *inputs: torch.Tensor) -> Hashable | None:
     return eager_key((constexprs, tuple(t.dtype for t in inputs)), *inputs)
 
 
-_route = KernelLaunch(_route_kernel, runtime_args=8)
+_route = KernelLaunch(_route_kernel, runtime_args=9)
+_place = KernelLaunch(_place_kernel, runtime_args=5)
 _l1 = KernelLaunch(_l1_kernel, runtime_args=11)
 _l2 = KernelLaunch(_l2_kernel, runtime_args=9)
 _combine = KernelLaunch(_combine_kernel, runtime_args=4)
@@ -718,7 +844,7 @@ class ExpertWeights:
 
 
 class SmallBatchExperts:
-    """The four launches of one layer shape and the scratch they share, for up to ``max_tokens``.
+    """The launches of one layer shape and the scratch they share, for up to ``max_tokens``.
 
     The scratch (the grouping table, the tokens in FP8, the intermediate in FP8, a bf16
     row per (token, slot)) holds activations only; layers of one shape on one device share
@@ -769,6 +895,9 @@ class SmallBatchExperts:
         self._table = torch.empty(
             3 * num_experts + 2 + 2 * pairs + expert_tiles, dtype=torch.int32, device=device
         )
+        self._block_counts = torch.empty(
+            2 * triton.cdiv(pairs, COUNT_BLOCK) * num_experts, dtype=torch.int32, device=device
+        )
         self._sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._x_fp8 = torch.empty(max_tokens, hidden, dtype=torch.float8_e4m3fn, device=device)
         self._x_scale = torch.empty(
@@ -785,11 +914,17 @@ class SmallBatchExperts:
             (cast, tiles, group): (
                 num_experts, experts_pow2, hidden, cast, tiles.pdl, group,
                 tiles.block_m if group and tiles.persistent else 0,
+                COUNT_BLOCK if group and tiles.persistent else 0,
             )
             for cast in (False, True)
             for tiles in (DECODE_TILES, BATCH_TILES)
             for group in (False, True)
         }  # fmt: skip
+        self._place_c = {
+            tiles: (num_experts, experts_pow2, tiles.block_m, COUNT_BLOCK, tiles.pdl)
+            for tiles in (DECODE_TILES, BATCH_TILES)
+            if tiles.persistent
+        }
         clamp = (swiglu_limit is not None, 0.0 if swiglu_limit is None else swiglu_limit)
         self._l1_c = (num_experts, top_k, hidden, intermediate, *clamp)
         self._l2_c = (num_experts, hidden, intermediate)
@@ -846,13 +981,22 @@ class SmallBatchExperts:
         if cast or not scan:  # FP8 tokens at scan sizes need no route launch at all
             route_c = self._route_c[(cast, tiles, not scan)]
             casts = triton.cdiv(tokens, CAST_ROWS) * (self.hidden // SCALE_BLOCK) if cast else 0
+            # persistent sizes spread the grouping: counting programs, then the place launch
+            groups = triton.cdiv(pairs, COUNT_BLOCK) if tiles.persistent else 1
             _route(
                 _key(route_c, topk_ids, hidden_states),
-                (1 + casts, 1, 1), index,
-                (topk_ids, self._table, hidden_states, self._x_fp8, self._x_scale, pairs,
-                 tokens, self.first_expert),
+                (groups + casts, 1, 1), index,
+                (topk_ids, self._table, self._block_counts, hidden_states, self._x_fp8,
+                 self._x_scale, pairs, tokens, self.first_expert),
                 route_c, ROUTE_WARPS,
             )  # fmt: skip
+            if tiles.persistent:
+                place_c = self._place_c[tiles]
+                _place(
+                    _key(place_c, topk_ids), (groups, 1, 1), index,
+                    (topk_ids, self._table, self._block_counts, pairs, self.first_expert),
+                    place_c, ROUTE_WARPS, None, tiles.pdl,
+                )  # fmt: skip
         l1_columns, l2_columns = self.intermediate // BLOCK_N1, self.hidden // tiles.block_n2
         if tiles.persistent:  # as many items as expert tiles of the call times column tiles
             most = most_expert_tiles(pairs, self.num_experts, tiles.block_m)
