@@ -111,8 +111,12 @@ def test_a_graphed_block_matches_transformers(tmp_path: Path, family: str) -> No
 @pytest.mark.parametrize("family", ["qwen4_exp", "glm5_next"])
 def test_an_eager_block_past_256_tokens_matches_transformers(tmp_path: Path, family: str) -> None:
     """Eagerly a router under 256 experts stays one launch up to 1024 tokens (graphs take
-    cuBLAS's logits from 256): its routing and the block's output against transformers."""
+    cuBLAS's logits from 256): its routing and the block's output against transformers. The
+    experts take the small-batch path at both counts (the tiny layer's crossover is 1630
+    tokens), on its batch tiles at 1024 (persistent programs, the grouping spread)."""
     tiny, layer, block = _tiny_block(tmp_path, family, max(EAGER_TOKEN_COUNTS))
+    for count in EAGER_TOKEN_COUNTS:
+        assert block.experts.backend.path_for(block.experts, count) == "small_batch"
     router = getattr(block, "router_kernel", None) or block.gate.kernel  # type: ignore[attr-defined]
     assert router.matmul_tokens <= min(EAGER_TOKEN_COUNTS)
     assert max(EAGER_TOKEN_COUNTS) < router.eager_matmul_tokens
