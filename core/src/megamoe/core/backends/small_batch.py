@@ -2,7 +2,7 @@
 
 On one Hopper rank the DeepGEMM backend has two paths over the same resident kernel tensors:
 the MegaMoE kernel, and the small-batch kernels (``megamoe.core.kernels.experts_small_batch``:
-three or four Triton launches that read each active expert's weights once). MegaMoE pays a
+three to five Triton launches that read each active expert's weights once). MegaMoE pays a
 fixed cost per call that grows with the layer's experts; the small-batch path pays little
 per call, a little per program of its kernels, and past decode sizes computes less
 efficiently. Both are modelled as ``max(fixed, per_slot * E * top_k) + per_program *
