@@ -509,25 +509,40 @@ def _expert_tiles(table_ptr: tl.tensor, num_pairs: int, NUM_EXPERTS: tl.constexp
 
 
 @triton.jit
-def _tile_pairs(
+def _items(
+    table_ptr: tl.tensor, num_pairs: int, NUM_EXPERTS: tl.constexpr, COLUMN_TILES: tl.constexpr
+) -> tl.tensor:
+    """How many items the call's persistent programs take: (expert tile, column tile) pairs.
+
+    The route table's expert tiles, each times ``COLUMN_TILES`` column tiles.
+    """
+    return tl.load(_expert_tiles(table_ptr, num_pairs, NUM_EXPERTS)) * COLUMN_TILES
+
+
+@triton.jit
+def _item_pairs(
     table_ptr: tl.tensor,
-    tile: int,
+    item: int,
     num_pairs: int,
     NUM_EXPERTS: tl.constexpr,
+    COLUMN_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr,
-) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
-    """Expert tile ``tile`` of the route table: its expert, which rows hold pairs, the pairs.
+) -> tuple[tl.tensor, tl.tensor, tl.tensor, tl.tensor]:
+    """Item ``item`` (``_items``): its expert, column tile, which rows hold pairs, the pairs.
 
-    The pairs are its expert's of ranks ``BLOCK_M * t .. BLOCK_M * (t + 1)`` (t: the tile's
-    index among its expert's), int64, 0 past the expert's count.
+    Its expert tile is the route table's ``item // COLUMN_TILES``; the pairs are its
+    expert's of ranks ``BLOCK_M * t .. BLOCK_M * (t + 1)`` (t: the tile's index among its
+    expert's), int64, 0 past the expert's count.
     """
+    tile = item // COLUMN_TILES
     packed = tl.load(_expert_tiles(table_ptr, num_pairs, NUM_EXPERTS) + 1 + tile)
     expert = packed // _TILE_LIMIT
     m = (packed % _TILE_LIMIT) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < tl.load(table_ptr + expert)
     sorted_ptr = _sorted_pairs(table_ptr, num_pairs, NUM_EXPERTS)
     sorted_ptr += tl.load(table_ptr + NUM_EXPERTS + expert)
-    return expert, m_ok, tl.load(sorted_ptr + m, mask=m_ok, other=0).to(tl.int64)
+    pair = tl.load(sorted_ptr + m, mask=m_ok, other=0).to(tl.int64)
+    return expert, item % COLUMN_TILES, m_ok, pair
 
 
 @triton.jit
@@ -629,12 +644,14 @@ def _l1_kernel(
         gdc_wait()
     if PERSISTENT:
         NT: tl.constexpr = INTERMEDIATE // 64
-        items = tl.load(_expert_tiles(table_ptr, num_pairs, NUM_EXPERTS)) * NT
+        items = _items(table_ptr, num_pairs, NUM_EXPERTS, NT)
         for item in range(tl.program_id(0), items, tl.num_programs(0)):
-            expert, m_ok, pair = _tile_pairs(table_ptr, item // NT, num_pairs, NUM_EXPERTS, BLOCK_M)
+            expert, column, m_ok, pair = _item_pairs(
+                table_ptr, item, num_pairs, NUM_EXPERTS, NT, BLOCK_M
+            )
             _l1_tile(
                 x_ptr, x_scale_ptr, w13_desc, w13_scale_ptr, weights_ptr, act_ptr, act_scale_ptr,
-                expert, item % NT, pair, m_ok, TOP_K, HIDDEN, INTERMEDIATE, CLAMP, LIMIT, BLOCK_M,
+                expert, column, pair, m_ok, TOP_K, HIDDEN, INTERMEDIATE, CLAMP, LIMIT, BLOCK_M,
             )  # fmt: skip
     else:
         skip, expert, count, sorted_ptr, mine, rank, q = _program_expert(
@@ -728,12 +745,14 @@ def _l2_kernel(
         if PDL:
             gdc_wait()
         NT: tl.constexpr = HIDDEN // BLOCK_N
-        items = tl.load(_expert_tiles(table_ptr, num_pairs, NUM_EXPERTS)) * NT
+        items = _items(table_ptr, num_pairs, NUM_EXPERTS, NT)
         for item in range(tl.program_id(0), items, tl.num_programs(0)):
-            expert, m_ok, pair = _tile_pairs(table_ptr, item // NT, num_pairs, NUM_EXPERTS, BLOCK_M)
+            expert, column, m_ok, pair = _item_pairs(
+                table_ptr, item, num_pairs, NUM_EXPERTS, NT, BLOCK_M
+            )
             _l2_tile(
-                act_ptr, act_scale_ptr, w2_desc, w2_scale_ptr, y_ptr, expert, item % NT, pair,
-                m_ok, HIDDEN, INTERMEDIATE, BLOCK_M, BLOCK_N, STEP,
+                act_ptr, act_scale_ptr, w2_desc, w2_scale_ptr, y_ptr, expert, column, pair, m_ok,
+                HIDDEN, INTERMEDIATE, BLOCK_M, BLOCK_N, STEP,
             )  # fmt: skip
     else:
         skip, expert, count, sorted_ptr, mine, rank, q = _program_expert(
