@@ -460,19 +460,19 @@ def _program_expert(
     SCAN: tl.constexpr,
     PAIRS: tl.constexpr,
 ) -> tuple[tl.tensor, ...]:
-    """Program ``program_id(0)``'s expert: skip, id, pairs' count, where its pairs are.
+    """Program ``program_id(1)``'s expert: skip, id, pairs' count, where its pairs are.
 
     The route table's active expert of that index, or with ``SCAN`` the expert that pair
     leads; the last four values are what ``_expert_pairs`` reads.
     """
     if SCAN:
         skip, expert, mine, rank, count, q = _scanned_expert(
-            ids_ptr, tl.program_id(0), num_pairs, first_expert, NUM_EXPERTS, PAIRS
+            ids_ptr, tl.program_id(1), num_pairs, first_expert, NUM_EXPERTS, PAIRS
         )
         sorted_ptr = table_ptr
     else:
         skip, expert, count, sorted_ptr = _listed_expert(
-            table_ptr, tl.program_id(0), num_pairs, NUM_EXPERTS
+            table_ptr, tl.program_id(1), num_pairs, NUM_EXPERTS
         )
         q = tl.arange(0, PAIRS)
         mine, rank = q < 0, q
@@ -632,13 +632,14 @@ def _l1_kernel(
     PDL: tl.constexpr,
     PERSISTENT: tl.constexpr,
 ) -> None:
-    """One expert's 64 intermediate columns ``program_id(1)``, or with ``PERSISTENT`` items.
+    """One expert's 64 intermediate columns ``program_id(0)``, or with ``PERSISTENT`` items.
 
-    The expert: the route table's active expert ``program_id(0)``, or with ``SCAN`` the one
-    that pair ``program_id(0)`` leads. ``PERSISTENT``: program p takes the items p, p +
-    programs, ... of (the route table's expert tiles of ``BLOCK_M`` pairs, 64 columns). With
-    ``PDL`` it waits for the route launch (a no-op when it is the call's first launch) and
-    then lets l2's programs start.
+    The expert: the route table's active expert ``program_id(1)``, or with ``SCAN`` the one
+    that pair ``program_id(1)`` leads; the column tiles vary fastest, so an expert's programs
+    start together (1.6-3.3% faster than experts fastest from 16 to 256 tokens, docs/gpu.md).
+    ``PERSISTENT``: program p takes the items p, p + programs, ... of (the route table's
+    expert tiles of ``BLOCK_M`` pairs, 64 columns). With ``PDL`` it waits for the route
+    launch (a no-op when it is the call's first launch) and then lets l2's programs start.
     """
     if PDL:
         gdc_wait()
@@ -665,7 +666,7 @@ def _l1_kernel(
             m_ok, pair = _expert_pairs(sorted_ptr, mine, rank, q, m0, count, SCAN, BLOCK_M)
             _l1_tile(
                 x_ptr, x_scale_ptr, w13_desc, w13_scale_ptr, weights_ptr, act_ptr, act_scale_ptr,
-                expert, tl.program_id(1), pair, m_ok, TOP_K, HIDDEN, INTERMEDIATE, CLAMP, LIMIT,
+                expert, tl.program_id(0), pair, m_ok, TOP_K, HIDDEN, INTERMEDIATE, CLAMP, LIMIT,
                 BLOCK_M,
             )  # fmt: skip
 
@@ -734,7 +735,7 @@ def _l2_kernel(
     PDL: tl.constexpr,
     PERSISTENT: tl.constexpr,
 ) -> None:
-    """One expert's ``BLOCK_N`` output columns ``program_id(1)``, or with ``PERSISTENT`` items.
+    """One expert's ``BLOCK_N`` output columns ``program_id(0)``, or with ``PERSISTENT`` items.
 
     The expert and the items as in l1 (items of ``BLOCK_N`` columns). With ``PDL`` it finds
     its expert while l1 runs (the ids and the route table are older than l1) and waits for
@@ -767,7 +768,7 @@ def _l2_kernel(
         for m0 in range(0, count, BLOCK_M):
             m_ok, pair = _expert_pairs(sorted_ptr, mine, rank, q, m0, count, SCAN, BLOCK_M)
             _l2_tile(
-                act_ptr, act_scale_ptr, w2_desc, w2_scale_ptr, y_ptr, expert, tl.program_id(1),
+                act_ptr, act_scale_ptr, w2_desc, w2_scale_ptr, y_ptr, expert, tl.program_id(0),
                 pair, m_ok, HIDDEN, INTERMEDIATE, BLOCK_M, BLOCK_N, STEP,
             )  # fmt: skip
 
@@ -1024,7 +1025,7 @@ class SmallBatchExperts:
             scan_pairs = 16
         else:
             programs = pairs if scan else min(self.num_experts, pairs)
-            l1_grid, l2_grid = (programs, l1_columns, 1), (programs, l2_columns, 1)
+            l1_grid, l2_grid = (l1_columns, programs, 1), (l2_columns, programs, 1)
             scan_pairs = max(16, triton.next_power_of_2(pairs)) if scan else 16
         w13_desc = weights.descriptor("w13", (2 * BLOCK_N1, SCALE_BLOCK))
         w2_desc = weights.descriptor("w2", (tiles.block_n2, ACT_GROUP))
