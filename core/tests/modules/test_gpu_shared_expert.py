@@ -169,16 +169,23 @@ def test_fp8_weights_take_half_the_memory_of_the_bf16_copy(
 ) -> None:
     def allocated_by(gemm: str) -> tuple[int, SwiGLUMLP]:
         # Earlier tests' garbage (graphs, compiled code) must not be collected, nor allocate,
-        # inside the measured window: one full-suite run on the H200 counted 512 KiB more.
+        # inside the measured window.
         gc.collect()
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated(device)
         mlp = SwiGLUMLP(H, shape[0], FP8, device=device, gemm=gemm)
         return torch.cuda.memory_allocated(device) - before, mlp
 
+    # A full-suite run on the H200 (2026-12-04) counted 512 KiB more for the FP8 module once
+    # more, after the collection above: state set up once per process on a first use (not the
+    # module's own), so one module of each kind is built, and dropped, before the measured two.
+    warm = {gemm: allocated_by(gemm)[0] for gemm in ("deep_gemm", "bf16")}
     fp8_bytes, _fp8 = allocated_by("deep_gemm")
     bf16_bytes, _bf16 = allocated_by("bf16")
-    print(f"I={shape[0]}: fp8 {fp8_bytes / 2**20:.2f} MiB, bf16 {bf16_bytes / 2**20:.2f} MiB")
+    print(
+        f"I={shape[0]}: fp8 {fp8_bytes / 2**20:.2f} MiB, bf16 {bf16_bytes / 2**20:.2f} MiB "
+        f"(the first of each: {warm['deep_gemm'] / 2**20:.2f}, {warm['bf16'] / 2**20:.2f})"
+    )
     assert bf16_bytes >= 3 * H * shape[0] * 2
     assert fp8_bytes / bf16_bytes <= 0.51
 
