@@ -26,7 +26,7 @@ import pytest
 import torch
 from bitcheck import relative_error
 
-from megamoe.core.backends.reference import ReferenceBackend
+from megamoe.core.backends.reference import ACTIVATION_ROUNDING, ReferenceBackend
 from megamoe.core.errors import CapabilityError, FormatMismatchError
 from megamoe.core.modules import backend_select as select
 from megamoe.core.modules.experts import MegaMoEExperts
@@ -147,15 +147,17 @@ def moe64(
 ) -> torch.Tensor:
     """float64 MoE: sum_k w_k * W2 (silu(W1 x) * (W3 x)) + shared experts (weight 1).
 
-    With ``swiglu_limit`` L: W1 x is capped at L and W3 x limited to [-L, L] first.
+    With ``swiglu_limit`` L: W1 x is capped at L and W3 x limited to [-L, L] first. With
+    ``emulate`` the kernel's roundings: the tokens, the weighted SwiGLU output, and each
+    routed slot's row (to bf16) before the token's sum.
     """
     rnd_in, rnd_mid = EMULATION64[emulate] if emulate is not None else (None, None)
     x = x.double() if rnd_in is None else rnd_in(x.double())
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
         routes = [(int(p), float(w)) for p, w in zip(topk_ids[t], topk_weights[t], strict=True)]
-        routes = [(physical[p], w) for p, w in routes if p >= 0] + [(s, 1.0) for s in shared]
-        for weights, gain in routes:
+        routed = [(physical[p], w, True) for p, w in routes if p >= 0]
+        for weights, gain, is_slot in routed + [(s, 1.0, False) for s in shared]:
             g, u = weights["w1"] @ x[t], weights["w3"] @ x[t]
             if swiglu_limit is not None:
                 limit = torch.tensor(swiglu_limit, dtype=torch.float64)
@@ -163,8 +165,9 @@ def moe64(
             act = g / (1.0 + torch.exp(-g)) * u
             if emulate is None:
                 out[t] += gain * (weights["w2"] @ act)
-            else:
-                out[t] += weights["w2"] @ rnd_mid((act * gain)[None])[0]
+            else:  # a routed slot's row is rounded to bf16, as in the kernels' combine buffer
+                row = weights["w2"] @ rnd_mid((act * gain)[None])[0]
+                out[t] += row.to(torch.bfloat16).double() if is_slot else row
     return out
 
 
@@ -336,6 +339,24 @@ def test_emulated_kernel_rounding_matches_float64_emulation(run_format: WeightFo
     assert not torch.equal(out_emulated, out_exact)
     if run_format is not WeightFormat.BF16:
         assert relative_error(out_emulated, ref_exact) >= 1e-2
+
+
+@pytest.mark.parametrize("run_format", FORMATS, ids=lambda f: f.value)
+def test_the_emulation_sums_bf16_rows_per_slot_as_the_kernels_combine(run_format: WeightFormat):
+    # The kernels write each (token, slot) output as a bf16 row and sum a token's rows in
+    # float32, lowest slot first; a float32 sum of the unrounded rows gives other bits.
+    ckpt = WeightFormat.FP8_BLOCK if run_format is not WeightFormat.BF16 else WeightFormat.BF16
+    m = build(run_format, ckpt, emulate=True)
+    load(m, ckpt, 6)
+    x, w, ids = routing(40, 3, 6, seed=5)
+    tokens = ACTIVATION_ROUNDING[run_format].input(x.float())
+    rows = m.backend.expert_contributions(m, tokens, w, ids.long())
+    bf16_rows = rows.to(torch.bfloat16).float()
+    summed_bf16_rows = bf16_rows[:, 0] + bf16_rows[:, 1] + bf16_rows[:, 2]
+    summed_rows = rows[:, 0] + rows[:, 1] + rows[:, 2]
+    out = m(x, w, ids)
+    assert torch.equal(out, summed_bf16_rows.to(torch.bfloat16))
+    assert not torch.equal(out, summed_rows.to(torch.bfloat16))
 
 
 def gate_up64(

@@ -14,7 +14,11 @@ rounding and the second GEMM; on Hopper FP8_BLOCK the input goes through FP8 wit
 per-token 1x128 scales (amax / 448) and the weighted SwiGLU output through FP8 with
 power-of-two scales per 64 columns (what ``fp8_mega_moe`` does, measured on the H200: with
 float 1x128 scales there the emulation was 0.036 away from the kernel, with these 0.013-0.019);
-on BF16 the SwiGLU output (times the weight) is rounded to bf16.
+on BF16 the SwiGLU output (times the weight) is rounded to bf16. Every format's output of
+each (token, slot) is rounded to bf16 before a token's slots are summed in float32, lowest
+slot first: the kernels' combine (``sm90_fp8_mega_moe.cuh``, ``sm100_fp8_fp4_mega_moe.cuh``
+and ``sm100_bf16_mega_moe.cuh`` in sgl-deep-gemm 0.1.4.post1 write bf16 rows into their
+combine buffer and sum them so). Fused shared experts are added after, unrounded.
 
 Multi-rank (a process group of size > 1): every rank's tokens and top-k are gathered
 (padded to the largest token count), each rank computes its experts' contribution to every
@@ -222,6 +226,8 @@ class ReferenceBackend(ExpertsBackend):
             per_slot = self.expert_contributions(experts, x, topk_weights, topk_ids.long())
         else:
             per_slot = self._exchange(experts, group, x, topk_weights, topk_ids.long())
+        if rounding is not None:  # the kernels' combine buffer holds a bf16 row per slot
+            per_slot = per_slot.to(torch.bfloat16).float()
         out = per_slot[:, 0]
         for k in range(1, per_slot.shape[1]):  # a fixed order, the same on every EP size
             out = out + per_slot[:, k]
