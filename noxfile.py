@@ -8,9 +8,12 @@ adapter alone from there, as the README says; ``docs`` builds the site (offline-
 
 from __future__ import annotations
 
+import base64
 import functools
+import hashlib
 import os
 import shutil
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -196,14 +199,40 @@ def _wheel_of(package: str) -> Path | None:
     return wheels[-1] if wheels else None
 
 
+def _wheel_drift(wheel: Path, package: str) -> list[str]:
+    """The package's sources that ``wheel`` holds otherwise, lacks, or holds no longer.
+
+    Compared by the sha256 of each file in the wheel's RECORD against the checkout's
+    ``src/`` (its ``.py`` files and ``py.typed``).
+    """
+    src = ROOT / PACKAGES[package] / "src"
+    with zipfile.ZipFile(wheel) as archive:
+        record = next(n for n in archive.namelist() if n.endswith(".dist-info/RECORD"))
+        lines = archive.read(record).decode().splitlines()
+    held = {}
+    for line in lines:
+        path, digest, _size = line.rsplit(",", 2)
+        if path.startswith("megamoe/") and digest.startswith("sha256="):
+            held[path] = digest.removeprefix("sha256=")
+    sources = [f for f in src.rglob("*") if f.suffix == ".py" or f.name == "py.typed"]
+    drift = []
+    for source in sorted(sources):
+        name = source.relative_to(src).as_posix()
+        digest = hashlib.sha256(source.read_bytes()).digest()
+        if held.pop(name, None) != base64.urlsafe_b64encode(digest).rstrip(b"=").decode():
+            drift.append(name)
+    return drift + sorted(held)  # what is left: files the checkout no longer has
+
+
 def _install_for_gpu_tests(session: nox.Session) -> None:
     """core, qwen4exp and glm5next into this machine's python3, without dependencies.
 
     Offline, never touching torch: ``pip install --no-deps --no-index``, from this checkout
     when hatchling (the build backend) is importable here (``--no-build-isolation``), else
     from the wheels ``nox -s build`` wrote into dist/ (on a machine with an index; copy
-    dist/ along). So the GPU run discovers the adapters through the installed entry points
-    and runs the installed ``megamoe`` command, as users do.
+    dist/ along; wheels whose files differ from this checkout's sources are refused). So the
+    GPU run discovers the adapters through the installed entry points and runs the installed
+    ``megamoe`` command, as users do.
     """
     pip = ("python3", "-m", "pip", "install", "--no-deps", "--no-index", "--force-reinstall")
     has_hatchling = session.run(
@@ -225,10 +254,18 @@ def _install_for_gpu_tests(session: nox.Session) -> None:
             "package index is reachable and copy dist/ here, or python3 -m pip install "
             "hatchling"
         )
-    newest_source = max(f.stat().st_mtime for d in SOURCE_PATHS for f in (ROOT / d).rglob("*.py"))
-    stale = [w.name for w in wheels.values() if w is not None and w.stat().st_mtime < newest_source]
+    # Wheels of another checkout would test other code than this one's, silently.
+    drift = {w.name: _wheel_drift(w, p) for p, w in wheels.items() if w is not None}
+    stale = {name: files for name, files in drift.items() if files}
     if stale:
-        session.warn(f"dist/ wheels older than the sources (rebuild: nox -s build): {stale}")
+        named = "; ".join(
+            f"{name}: {len(files)} file(s), e.g. {files[0]}" for name, files in stale.items()
+        )
+        session.error(
+            f"dist/ holds wheels of other sources than this checkout's ({named}): rebuild them "
+            "where hatchling is (nox -s build, or python3 -m pip wheel --no-deps ./core "
+            "./qwen4exp ./glm5next -w dist) and copy dist/ here"
+        )
     session.run(*pip, *(str(w) for w in wheels.values() if w is not None))
 
 
