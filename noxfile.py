@@ -209,7 +209,7 @@ def _wheel_drift(wheel: Path, package: str) -> list[str]:
     with zipfile.ZipFile(wheel) as archive:
         record = next(n for n in archive.namelist() if n.endswith(".dist-info/RECORD"))
         lines = archive.read(record).decode().splitlines()
-    held = {}
+    held: dict[str, str] = {}
     for line in lines:
         path, digest, _size = line.rsplit(",", 2)
         if path.startswith("megamoe/") and digest.startswith("sha256="):
@@ -218,8 +218,8 @@ def _wheel_drift(wheel: Path, package: str) -> list[str]:
     drift = []
     for source in sorted(sources):
         name = source.relative_to(src).as_posix()
-        digest = hashlib.sha256(source.read_bytes()).digest()
-        if held.pop(name, None) != base64.urlsafe_b64encode(digest).rstrip(b"=").decode():
+        sha256 = hashlib.sha256(source.read_bytes()).digest()
+        if held.pop(name, None) != base64.urlsafe_b64encode(sha256).rstrip(b"=").decode():
             drift.append(name)
     return drift + sorted(held)  # what is left: files the checkout no longer has
 
