@@ -11,9 +11,8 @@ both real layers' graphed timings on the H200, ``docs/gpu.md``), with the active
 expected under uniform routing. A layer takes the small-batch path for every call of up to
 :func:`crossover_tokens` tokens, the last token count at which it is predicted no slower;
 so a fixed token count always takes one path and a CUDA graph captures one. (Past 512
-tokens the small-batch kernels' persistent programs take an expert's tiles of 32 tokens
-side by side, so the tiles after its first can find its weights in L2: Qwen4-Exp at 4096
-tokens, 80 per active expert, ran in 0.68 of MegaMoE's time.)
+tokens the small-batch kernels stream an expert's weights about once per tile of 32 of its
+tokens, yet Qwen4-Exp at 4096 tokens, 80 per active expert, ran in 0.58 of MegaMoE's time.)
 
 ``experts_path`` (an option of ``MegaMoEExperts`` and of both blocks) forces either path:
 ``"small_batch"`` for every call the layer's ``max_num_tokens`` allows, ``"megamoe"`` for
@@ -71,9 +70,13 @@ class PathCost:
 # from the first fit). The next run (persistent batch programs, 1-4096 tokens) falls within
 # 17% of the small-batch model and, to 2048 tokens, 22% of MegaMoE's (at 4096 tokens its
 # model is 40% under its time on Qwen4-Exp, 37% over on GLM-5.3-Flash); a refit placed the
-# crossovers no closer to the measured ones, so the constants stay.
+# crossovers no closer to the measured ones, so the constants stay. A later run (the fifth
+# session's table) fits a small-batch model that streams the weights once per 32-token tile
+# within 10% at 1-4096 tokens, but no MegaMoE model tried fits past 2048 tokens, and beside
+# this MegaMoE model it would hand Qwen4-Exp to MegaMoE from 3316 tokens, which measured
+# 1.73x slower at 4096: the constants still stay (docs/gpu.md).
 # Where the two paths are within that of each other the rule may pick the slower one
-# (GLM-5.3-Flash at 1024 tokens: MegaMoE, 2333 us against the small-batch path's 2211).
+# (GLM-5.3-Flash at 1024 tokens: MegaMoE, 2371 us against the small-batch path's 2139).
 SMALL_BATCH_COST = PathCost(
     fixed_us=12.25, per_slot_us=0.0, per_program_us=0.0026, bandwidth=4.8e12, flops=4.19e14
 )
