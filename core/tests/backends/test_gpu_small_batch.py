@@ -10,6 +10,7 @@ oracle: relative error <= 1e-2 (SPEC §6), and well under the float reference's 
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 import pytest
 import torch
@@ -240,16 +241,11 @@ def test_a_batch_graph_replay_gives_the_eager_bits(
     assert_bitwise_equal(replayed_output(lambda: small(x, weights, ids)), eager, "replay")
 
 
-@pytest.mark.parametrize("mode", ["uniform", "one"])
-def test_the_spread_grouping_gives_the_one_program_grouping_bits(
-    monkeypatch: pytest.MonkeyPatch, mode: str
-) -> None:
-    """From 512 tokens counting programs and a place launch group the pairs (12 blocks here,
-    more than a place program sums per step); the same call on the decode tiles, grouped by
-    one program, gives the same bits. A third of the experts are another rank's."""
+def kernel_call(shape: str, first: int, max_tokens: int) -> tuple[Any, Any]:
+    """The kernels' own objects for ``shape`` (the experts from ``first`` on local), random
+    block-FP8 weights: ``(ExpertWeights, SmallBatchExperts)``."""
     kernels = importlib.import_module(KERNEL_MODULE)
-    experts_count, top_k, hidden, inter, _ = SHAPES["qwen4exp"]
-    first, tokens = experts_count // 3, 1200
+    experts_count, top_k, hidden, inter, limit = SHAPES[shape]
     gen = torch.Generator(device="cuda").manual_seed(5)
     local = experts_count - first
     w13 = torch.randn(local, 2 * inter, hidden, device="cuda", generator=gen)
@@ -263,8 +259,21 @@ def test_the_spread_grouping_gives_the_one_program_grouping_bits(
     )
     call = kernels.SmallBatchExperts(
         num_experts=local, first_expert=first, top_k=top_k, hidden=hidden, intermediate=inter,
-        swiglu_limit=None, max_tokens=tokens, device=torch.device("cuda"),
+        swiglu_limit=limit, max_tokens=max_tokens, device=torch.device("cuda"),
     )  # fmt: skip
+    return weights, call
+
+
+@pytest.mark.parametrize("mode", ["uniform", "one"])
+def test_the_spread_grouping_gives_the_one_program_grouping_bits(
+    monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """From 512 tokens counting programs and a place launch group the pairs (12 blocks here,
+    more than a place program sums per step); the same call on the decode tiles, grouped by
+    one program, gives the same bits. A third of the experts are another rank's."""
+    kernels = importlib.import_module(KERNEL_MODULE)
+    first, tokens = SHAPES["qwen4exp"][0] // 3, 1200
+    weights, call = kernel_call("qwen4exp", first, tokens)
     x, topk_weights, ids = routing("qwen4exp", tokens, seed=17, mode=mode)
     if mode == "one":
         ids[:, 0] = first + 1  # a local expert: 1200 of its pairs, 38 tiles
@@ -272,6 +281,39 @@ def test_the_spread_grouping_gives_the_one_program_grouping_bits(
     spread = call.forward(weights, x, None, topk_weights, ids)
     monkeypatch.setattr(kernels, "tiles_for", lambda _: kernels.DECODE_TILES)
     assert_bitwise_equal(call.forward(weights, x, None, topk_weights, ids), spread, mode)
+
+
+@pytest.mark.parametrize("shape", ["qwen4exp", "glm53flash"])
+def test_l2_waits_for_its_experts_l1_programs_and_the_counts_start_at_zero(shape: str) -> None:
+    """At decode sizes each l2 program waits for its expert's l1 programs (a count per
+    expert, ``_l1_done``, that the combine zeroes), not for the whole l1 launch. Calls of
+    scan and grouped sizes, bf16 and FP8 tokens, with no local expert at all, then graph
+    replays: each gives the bits it gave first, and the counts are zero after every one (a
+    count left over would let the next call's l2 read rows its l1 has not written yet)."""
+    first = SHAPES[shape][0] // 4  # a quarter of the experts are another rank's
+    weights, call = kernel_call(shape, first, MAX_TOKENS)
+    done = call._l1_done  # the state this test is about
+    calls = []
+    for tokens, seed in ((1, 1), (5, 2), (16, 3), (200, 4)):
+        x, topk_weights, ids = routing(shape, tokens, seed=seed)
+        calls.append((x, None, topk_weights, ids))
+        groups = x.float().unflatten(-1, (-1, 128))  # the dispatch rule's FP8 tokens
+        scale = groups.abs().amax(-1, keepdim=True).clamp(min=1e-10) / 448.0
+        x_fp8 = (groups * (1.0 / scale)).to(torch.float8_e4m3fn).flatten(-2)
+        calls.append((x_fp8, scale.squeeze(-1).contiguous(), topk_weights, ids.long()))
+    x, topk_weights, ids = routing(shape, 8, seed=5)
+    calls.append((x, None, topk_weights, torch.full_like(ids, first - 1)))  # none is local
+    first_bits = []
+    for args in calls:
+        first_bits.append(call.forward(weights, *args))
+        torch.cuda.synchronize()
+        assert int(done.count_nonzero()) == 0, f"counts left by a call of {len(args[3])} tokens"
+    assert not first_bits[-1].any()
+    for args, bits in zip(calls, first_bits, strict=True):
+        replayed = replayed_output(lambda args=args: call.forward(weights, *args))
+        assert_bitwise_equal(replayed, bits, f"replay of {len(args[3])} tokens")
+        assert int(done.count_nonzero()) == 0
+        assert_bitwise_equal(call.forward(weights, *args), bits, f"{len(args[3])} tokens again")
 
 
 def test_the_kernels_refuse_weights_the_tma_cannot_read() -> None:

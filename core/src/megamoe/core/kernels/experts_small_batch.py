@@ -28,7 +28,10 @@ launch before it runs, and wait for it only before reading what it wrote):
    columns (the Hopper kernel's rounding of its intermediate);
 3. **l2** (a program per active expert and ``block_n2`` hidden columns, or persistent
    programs as l1's): ``w2`` against those rows, one bf16 row per (token, slot), as the
-   Hopper kernel rounds its experts' outputs before its combine;
+   Hopper kernel rounds its experts' outputs before its combine. At decode sizes an l2
+   program waits for its own expert's l1 programs only (each adds one to its expert's
+   count once its rows are written; the combine zeroes the counts), so l2 streams the
+   first experts' ``w2`` while l1 streams the last experts' ``w13``;
 4. **combine** (a program per token and 256 columns): the slots' rows summed in float32 in
    slot order, unused and other ranks' slots skipped, rounded to bf16 (the Hopper kernel's
    combine).
@@ -99,6 +102,7 @@ _E4M3_MAX = tl.constexpr(E4M3_MAX)
 _E4M3_RECIPROCAL = tl.constexpr(1.0 / E4M3_MAX)
 _TOKEN_AMAX_FLOOR = tl.constexpr(TOKEN_AMAX_FLOOR)
 _TILE_LIMIT = tl.constexpr(TILE_LIMIT)
+_BLOCK_N1 = tl.constexpr(BLOCK_N1)
 _ACT_AMAX_FLOOR = tl.constexpr(ACT_AMAX_FLOOR)
 
 
@@ -547,6 +551,44 @@ def _item_pairs(
 
 
 @triton.jit
+def _mark_done(done_ptr: tl.tensor, expert: tl.tensor) -> None:
+    """One more of ``expert``'s programs has written its rows (after all its threads have).
+
+    A release: what the program wrote is visible to whoever acquires the count after it.
+    """
+    tl.debug_barrier()
+    tl.atomic_add(done_ptr + expert, 1, sem="release")
+
+
+@triton.jit
+def _wait_done(done_ptr: tl.tensor, expert: tl.tensor, PROGRAMS: tl.constexpr) -> None:
+    """Spin until ``PROGRAMS`` of ``expert``'s programs have marked their rows written.
+
+    An acquire: their rows are visible after it. The programs it waits for are running or
+    done: a dependent launch's programs start only once every program of the launch before
+    it has let them (l1's do once they have found their expert) or ended.
+    """
+    while tl.atomic_add(done_ptr + expert, 0, sem="acquire") < PROGRAMS:
+        pass
+
+
+@triton.jit
+def _lead_outlasts_previous_launch() -> None:
+    """Program (0, 0) waits for the previous launch: this launch does not end before it."""
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        gdc_wait()
+
+
+@triton.jit
+def _lead_zeroes(counts_ptr: tl.tensor, COUNT: tl.constexpr, BLOCK: tl.constexpr) -> None:
+    """Program (0, 0) zeroes the ``COUNT`` int32 counts, ``BLOCK`` a step."""
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        for first in range(0, COUNT, BLOCK):
+            at = first + tl.arange(0, BLOCK)
+            tl.store(counts_ptr + at, tl.zeros([BLOCK], tl.int32), mask=at < COUNT)
+
+
+@triton.jit
 def _l1_tile(
     x_ptr: tl.tensor,
     x_scale_ptr: tl.tensor,
@@ -619,6 +661,7 @@ def _l1_kernel(
     table_ptr: tl.tensor,
     act_ptr: tl.tensor,
     act_scale_ptr: tl.tensor,
+    l1_done_ptr: tl.tensor,
     num_pairs: int,
     first_expert: int,
     NUM_EXPERTS: tl.constexpr,
@@ -632,6 +675,7 @@ def _l1_kernel(
     PAIRS: tl.constexpr,
     PDL: tl.constexpr,
     PERSISTENT: tl.constexpr,
+    PER_EXPERT: tl.constexpr,
 ) -> None:
     """One expert's 64 intermediate columns ``program_id(0)``, or with ``PERSISTENT`` items.
 
@@ -640,7 +684,9 @@ def _l1_kernel(
     start together (1.6-3.3% faster than experts fastest from 16 to 256 tokens, docs/gpu.md).
     ``PERSISTENT``: program p takes the items p, p + programs, ... of (the route table's
     expert tiles of ``BLOCK_M`` pairs, 64 columns). With ``PDL`` it waits for the route
-    launch (a no-op when it is the call's first launch) and then lets l2's programs start.
+    launch (a no-op when it is the call's first launch) and lets l2's programs start. With
+    ``PER_EXPERT`` (and ``PDL``), once its rows are written it adds one to its expert's count
+    in ``l1_done``, what l2 waits for.
     """
     if PDL:
         gdc_wait()
@@ -670,6 +716,8 @@ def _l1_kernel(
                 expert, tl.program_id(0), pair, m_ok, TOP_K, HIDDEN, INTERMEDIATE, CLAMP, LIMIT,
                 BLOCK_M,
             )  # fmt: skip
+        if PER_EXPERT:
+            _mark_done(l1_done_ptr, expert)
 
 
 @triton.jit
@@ -723,6 +771,7 @@ def _l2_kernel(
     ids_ptr: tl.tensor,
     table_ptr: tl.tensor,
     y_ptr: tl.tensor,
+    l1_done_ptr: tl.tensor,
     num_pairs: int,
     first_expert: int,
     NUM_EXPERTS: tl.constexpr,
@@ -735,12 +784,16 @@ def _l2_kernel(
     PAIRS: tl.constexpr,
     PDL: tl.constexpr,
     PERSISTENT: tl.constexpr,
+    PER_EXPERT: tl.constexpr,
 ) -> None:
     """One expert's ``BLOCK_N`` output columns ``program_id(0)``, or with ``PERSISTENT`` items.
 
     The expert and the items as in l1 (items of ``BLOCK_N`` columns). With ``PDL`` it finds
     its expert while l1 runs (the ids and the route table are older than l1) and waits for
-    l1 before reading its rows; a program with nothing to do waits too, so that the launch
+    l1 before reading its rows: for the whole l1 launch, or with ``PER_EXPERT`` for its
+    expert's l1 programs alone (their count in ``l1_done``), so that it streams ``w2``
+    while l1's programs of other experts still run (Qwen4-Exp 3% faster at 16 tokens, 9%
+    at 4); then program (0, 0) waits for the whole l1 launch too, so that this launch
     never ends before l1 has.
     """
     if PERSISTENT:
@@ -760,18 +813,24 @@ def _l2_kernel(
         skip, expert, count, sorted_ptr, mine, rank, q = _program_expert(
             ids_ptr, table_ptr, num_pairs, first_expert, NUM_EXPERTS, SCAN, PAIRS
         )
-        if PDL:
+        if PDL and not PER_EXPERT:
             gdc_wait()
-        if skip:
-            return
         if PDL:
             gdc_launch_dependents()
+        if skip:
+            if PER_EXPERT:
+                _lead_outlasts_previous_launch()
+            return
+        if PER_EXPERT:
+            _wait_done(l1_done_ptr, expert, INTERMEDIATE // _BLOCK_N1)
         for m0 in range(0, count, BLOCK_M):
             m_ok, pair = _expert_pairs(sorted_ptr, mine, rank, q, m0, count, SCAN, BLOCK_M)
             _l2_tile(
                 act_ptr, act_scale_ptr, w2_desc, w2_scale_ptr, y_ptr, expert, tl.program_id(0),
                 pair, m_ok, HIDDEN, INTERMEDIATE, BLOCK_M, BLOCK_N, STEP,
             )  # fmt: skip
+        if PER_EXPERT:
+            _lead_outlasts_previous_launch()
 
 
 @triton.jit(do_not_specialize=["first_expert"])
@@ -779,19 +838,24 @@ def _combine_kernel(
     y_ptr: tl.tensor,
     ids_ptr: tl.tensor,
     out_ptr: tl.tensor,
+    l1_done_ptr: tl.tensor,
     first_expert: int,
     NUM_EXPERTS: tl.constexpr,
     TOP_K: tl.constexpr,
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
+    PER_EXPERT: tl.constexpr,
 ) -> None:
     """Token ``program_id(0)``'s columns ``program_id(1) * BLOCK ..``: its slots, in order.
 
-    With ``PDL`` it waits for l2 first.
+    With ``PDL`` it waits for l2 first; with ``PER_EXPERT`` program (0, 0) then zeroes
+    ``l1_done`` for the next call (l1 and l2 have ended: l2's launch ends after l1's).
     """
     if PDL:
         gdc_wait()
+    if PER_EXPERT:
+        _lead_zeroes(l1_done_ptr, NUM_EXPERTS, BLOCK)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cols_ok = cols < HIDDEN
@@ -815,9 +879,9 @@ def _key(constexprs: Hashable, *inputs: torch.Tensor) -> Hashable | None:
 
 _route = KernelLaunch(_route_kernel, runtime_args=9)
 _place = KernelLaunch(_place_kernel, runtime_args=5)
-_l1 = KernelLaunch(_l1_kernel, runtime_args=11)
-_l2 = KernelLaunch(_l2_kernel, runtime_args=9)
-_combine = KernelLaunch(_combine_kernel, runtime_args=4)
+_l1 = KernelLaunch(_l1_kernel, runtime_args=12)
+_l2 = KernelLaunch(_l2_kernel, runtime_args=10)
+_combine = KernelLaunch(_combine_kernel, runtime_args=5)
 
 
 class ExpertWeights:
@@ -929,6 +993,9 @@ class SmallBatchExperts:
             pairs, intermediate // ACT_GROUP, dtype=torch.float32, device=device
         )
         self._rows = torch.empty(pairs, hidden, dtype=torch.bfloat16, device=device)
+        # each expert's l1 programs that have written their rows (decode sizes; l2 waits for
+        # them, the combine zeroes them): zero between calls
+        self._l1_done = torch.zeros(num_experts, dtype=torch.int32, device=device)
         # The constexprs that the layer fixes, made once (eager calls pay host time per launch).
         experts_pow2 = triton.next_power_of_2(num_experts)
         self._route_c = {
@@ -950,7 +1017,9 @@ class SmallBatchExperts:
         self._l1_c = (num_experts, top_k, hidden, intermediate, *clamp)
         self._l2_c = (num_experts, hidden, intermediate)
         self._combine_c = {
-            pdl: (num_experts, top_k, hidden, COMBINE_BLOCK, pdl) for pdl in (False, True)
+            (pdl, per_expert): (num_experts, top_k, hidden, COMBINE_BLOCK, pdl, per_expert)
+            for pdl in (False, True)
+            for per_expert in (False, True)
         }
 
     @staticmethod
@@ -1030,28 +1099,35 @@ class SmallBatchExperts:
             scan_pairs = max(16, triton.next_power_of_2(pairs)) if scan else 16
         w13_desc = weights.descriptor("w13", (2 * BLOCK_N1, SCALE_BLOCK))
         w2_desc = weights.descriptor("w2", (tiles.block_n2, ACT_GROUP))
-        l1_c = (*self._l1_c, tiles.block_m, scan, scan_pairs, tiles.pdl, tiles.persistent)
+        # l2 waits for each expert's l1 programs where l1 runs in more than one wave (where
+        # all run at once they end together: Qwen4-Exp and GLM-5.3-Flash at one token were
+        # 0.5% slower with it)
+        per_expert = tiles.pdl and l1_grid[0] * l1_grid[1] > self._sms * L1_PROGRAMS_PER_SM
+        l1_c = (
+            *self._l1_c, tiles.block_m, scan, scan_pairs, tiles.pdl, tiles.persistent, per_expert
+        )  # fmt: skip
         l1_pdl = tiles.pdl and (cast or not scan)  # after the route launch, where there is one
         _l1(
             _key((l1_c, tiles, l1_pdl), x, x_scale, w13, w13_scale, topk_weights, topk_ids),
             l1_grid, index,
             (x, x_scale, w13_desc, w13_scale, topk_weights, topk_ids, self._table, self._act,
-             self._act_scale, pairs, self.first_expert),
+             self._act_scale, self._l1_done, pairs, self.first_expert),
             l1_c, tiles.warps, tiles.stages, l1_pdl,
         )  # fmt: skip
         l2_c = (
             *self._l2_c, tiles.block_m, tiles.block_n2, tiles.l2_step, scan, scan_pairs,
-            tiles.pdl, tiles.persistent,
+            tiles.pdl, tiles.persistent, per_expert,
         )  # fmt: skip
         _l2(
             _key((l2_c, tiles), w2, w2_scale, topk_ids), l2_grid, index,
             (self._act, self._act_scale, w2_desc, w2_scale, topk_ids, self._table, self._rows,
-             pairs, self.first_expert),
+             self._l1_done, pairs, self.first_expert),
             l2_c, tiles.warps, l2_stages(tiles, self.intermediate), tiles.pdl,
         )  # fmt: skip
-        combine_c = self._combine_c[tiles.pdl]
+        combine_c = self._combine_c[(tiles.pdl, per_expert)]
         _combine(
             _key(combine_c, topk_ids), (tokens, triton.cdiv(self.hidden, COMBINE_BLOCK), 1),
-            index, (self._rows, topk_ids, out, self.first_expert), combine_c, 4, None, tiles.pdl,
+            index, (self._rows, topk_ids, out, self._l1_done, self.first_expert), combine_c, 4,
+            None, tiles.pdl,
         )  # fmt: skip
         return out
