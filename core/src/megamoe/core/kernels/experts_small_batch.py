@@ -28,10 +28,11 @@ launch before it runs, and wait for it only before reading what it wrote):
    columns (the Hopper kernel's rounding of its intermediate);
 3. **l2** (a program per active expert and ``block_n2`` hidden columns, or persistent
    programs as l1's): ``w2`` against those rows, one bf16 row per (token, slot), as the
-   Hopper kernel rounds its experts' outputs before its combine. At decode sizes an l2
-   program waits for its own expert's l1 programs only (each adds one to its expert's
-   count once its rows are written; the combine zeroes the counts), so l2 streams the
-   first experts' ``w2`` while l1 streams the last experts' ``w13``;
+   Hopper kernel rounds its experts' outputs before its combine. At decode sizes where
+   l1's programs do not all run at once, an l2 program waits for its own expert's l1
+   programs only (each adds one to its expert's count once its rows are written; the
+   combine zeroes the counts), so l2 streams the first experts' ``w2`` while l1 streams
+   the last experts' ``w13``;
 4. **combine** (a program per token and 256 columns): the slots' rows summed in float32 in
    slot order, unused and other ranks' slots skipped, rounded to bf16 (the Hopper kernel's
    combine).
