@@ -316,6 +316,29 @@ def test_l2_waits_for_its_experts_l1_programs_and_the_counts_start_at_zero(shape
         assert_bitwise_equal(call.forward(weights, *args), bits, f"{len(args[3])} tokens again")
 
 
+def test_a_call_cut_short_after_l1_leaves_no_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call whose l2 launch raises after l1 has counted (no combine left to zero the
+    counts) zeroes them before the error reaches the caller: the next call gives its bits."""
+    kernels = importlib.import_module(KERNEL_MODULE)
+    weights, call = kernel_call("qwen4exp", 0, MAX_TOKENS)
+    x, topk_weights, ids = routing("qwen4exp", 16, seed=6)  # l1: more programs than a wave
+    expected = call.forward(weights, x, None, topk_weights, ids)
+    counted = []
+
+    def failing_l2(*args: object, **kwargs: object) -> None:
+        torch.cuda.synchronize()
+        counted.append(int(call._l1_done.count_nonzero()))
+        raise RuntimeError("l2 launch failed")
+
+    monkeypatch.setattr(kernels, "_l2", failing_l2)
+    with pytest.raises(RuntimeError, match="l2 launch failed"):
+        call.forward(weights, x, None, topk_weights, ids)
+    monkeypatch.undo()
+    assert counted and counted[0] > 0, "l1 counted nothing: the test shows nothing"
+    assert int(call._l1_done.count_nonzero()) == 0
+    assert_bitwise_equal(call.forward(weights, x, None, topk_weights, ids), expected, "next call")
+
+
 def test_the_kernels_refuse_weights_the_tma_cannot_read() -> None:
     kernels = importlib.import_module(KERNEL_MODULE)
     w = torch.zeros(2, 256, 257, dtype=torch.float8_e4m3fn, device="cuda")

@@ -1060,7 +1060,6 @@ class SmallBatchExperts:
         out = torch.empty(tokens, self.hidden, dtype=torch.bfloat16, device=topk_ids.device)
         if tokens == 0:
             return out
-        w13, w13_scale, w2, w2_scale = weights.w13, weights.w13_scale, weights.w2, weights.w2_scale
         pairs, index = tokens * self.top_k, topk_ids.device.index
         tiles = tiles_for(tokens)
         cast = hidden_scale is None
@@ -1088,6 +1087,31 @@ class SmallBatchExperts:
                     (topk_ids, self._table, self._block_counts, pairs, self.first_expert),
                     place_c, ROUTE_WARPS, None, tiles.pdl,
                 )  # fmt: skip
+        try:
+            self._experts(weights, x, x_scale, topk_weights, topk_ids, out, tiles, scan, cast)
+        except BaseException:
+            # l1 may have counted (l1_done) with no combine after it to zero the counts: a
+            # later call's l2 would take them for its own l1's
+            self._l1_done.zero_()
+            raise
+        return out
+
+    def _experts(
+        self,
+        weights: ExpertWeights,
+        x: torch.Tensor,
+        x_scale: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        out: torch.Tensor,
+        tiles: Tiles,
+        scan: bool,
+        cast: bool,
+    ) -> None:
+        """l1, l2 and the combine into ``out``, after the route launch where there is one."""
+        w13, w13_scale, w2, w2_scale = weights.w13, weights.w13_scale, weights.w2, weights.w2_scale
+        tokens = topk_ids.shape[0]
+        pairs, index = tokens * self.top_k, topk_ids.device.index
         l1_columns, l2_columns = self.intermediate // BLOCK_N1, self.hidden // tiles.block_n2
         if tiles.persistent:  # as many items as expert tiles of the call times column tiles
             most = most_expert_tiles(pairs, self.num_experts, tiles.block_m)
@@ -1131,4 +1155,3 @@ class SmallBatchExperts:
             index, (self._rows, topk_ids, out, self._l1_done, self.first_expert), combine_c, 4,
             None, tiles.pdl,
         )  # fmt: skip
-        return out
