@@ -1124,10 +1124,11 @@ class SmallBatchExperts:
             scan_pairs = max(16, triton.next_power_of_2(pairs)) if scan else 16
         w13_desc = weights.descriptor("w13", (2 * BLOCK_N1, SCALE_BLOCK))
         w2_desc = weights.descriptor("w2", (tiles.block_n2, ACT_GROUP))
-        # l2 waits for each expert's l1 programs where l1 runs in more than one wave (where
-        # all run at once they end together: Qwen4-Exp and GLM-5.3-Flash at one token were
-        # 0.5% slower with it)
-        per_expert = tiles.pdl and l1_grid[0] * l1_grid[1] > self._sms * L1_PROGRAMS_PER_SM
+        # l2 waits for each expert's l1 programs (decode grids) where l1 runs in more than
+        # one wave of the programs an SM holds (where all run at once they end together:
+        # Qwen4-Exp and GLM-5.3-Flash at one token were 0.5% slower with it)
+        waves = l1_grid[0] * l1_grid[1] > self._sms * L1_PROGRAMS_PER_SM
+        per_expert = tiles.pdl and not tiles.persistent and waves
         l1_c = (
             *self._l1_c, tiles.block_m, scan, scan_pairs, tiles.pdl, tiles.persistent, per_expert
         )  # fmt: skip
