@@ -36,6 +36,8 @@ SHAPES = {
 }
 MAX_TOKENS = 256
 BATCH_TOKENS = 600  # from 512 tokens the kernels take their batch tiles
+# the tile shapes from 512 tokens, forced: the decode grid of 32-token tiles, persistent ones
+BATCH_TILE_SHAPES = ["MIDSIZE_TILES", "BATCH_TILES"]
 
 pytestmark = [
     pytest.mark.gpu,
@@ -215,13 +217,27 @@ def batch_layer(
     return cache[(shape, backend)]
 
 
+def force_tiles(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Every call of the kernels takes the tile shape ``name`` (a constant of the module)."""
+    kernels = importlib.import_module(KERNEL_MODULE)
+    tiles = getattr(kernels, name)
+    monkeypatch.setattr(kernels, "tiles_for", lambda tokens, top_k, num_experts: tiles)
+
+
+@pytest.mark.parametrize("tiles", BATCH_TILE_SHAPES)
 @pytest.mark.parametrize("shape", ["qwen4exp", "glm53flash"])
 @pytest.mark.parametrize("mode", ["uniform", "one"])
 def test_the_batch_tiles_match_the_emulating_reference(
-    batch_layers: dict[tuple[str, str], MegaMoEExperts], shape: str, mode: str
+    monkeypatch: pytest.MonkeyPatch,
+    batch_layers: dict[tuple[str, str], MegaMoEExperts],
+    shape: str,
+    mode: str,
+    tiles: str,
 ) -> None:
-    """From 512 tokens: persistent programs over 32-token expert tiles, 128-column l2 tiles
-    (their own TMA descriptor); every token on one expert gives that expert 19 tiles."""
+    """From 512 tokens: 32-token expert tiles, 128-column l2 tiles (their own TMA
+    descriptor), in the decode grid (a program loops over its expert's tiles) or taken by
+    persistent programs; every token on one expert gives that expert 19 tiles."""
+    force_tiles(monkeypatch, tiles)
     small = batch_layer(batch_layers, shape, "deepgemm")
     assert small.backend.path_for(small, BATCH_TOKENS) == "small_batch"
     x, weights, ids = routing(shape, BATCH_TOKENS, seed=9, mode=mode)
@@ -232,9 +248,13 @@ def test_the_batch_tiles_match_the_emulating_reference(
     assert error <= EMULATED_TOL
 
 
+@pytest.mark.parametrize("tiles", BATCH_TILE_SHAPES)
 def test_a_batch_graph_replay_gives_the_eager_bits(
+    monkeypatch: pytest.MonkeyPatch,
     batch_layers: dict[tuple[str, str], MegaMoEExperts],
+    tiles: str,
 ) -> None:
+    force_tiles(monkeypatch, tiles)
     small = batch_layer(batch_layers, "qwen4exp", "deepgemm")
     x, weights, ids = routing("qwen4exp", BATCH_TOKENS, seed=13)
     eager = small(x, weights, ids)
@@ -265,22 +285,43 @@ def kernel_call(shape: str, first: int, max_tokens: int) -> tuple[Any, Any]:
 
 
 @pytest.mark.parametrize("mode", ["uniform", "one"])
-def test_the_spread_grouping_gives_the_one_program_grouping_bits(
+def test_every_tile_shape_and_grouping_gives_the_same_bits(
     monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
     """From 512 tokens counting programs and a place launch group the pairs (12 blocks here,
-    more than a place program sums per step); the same call on the decode tiles, grouped by
-    one program, gives the same bits. A third of the experts are another rank's."""
+    more than a place program sums per step) for the persistent programs and for the decode
+    grid of 32-token tiles; the decode tiles, grouped by one program, give the same bits
+    again. A third of the experts are another rank's."""
     kernels = importlib.import_module(KERNEL_MODULE)
     first, tokens = SHAPES["qwen4exp"][0] // 3, 1200
     weights, call = kernel_call("qwen4exp", first, tokens)
     x, topk_weights, ids = routing("qwen4exp", tokens, seed=17, mode=mode)
     if mode == "one":
         ids[:, 0] = first + 1  # a local expert: 1200 of its pairs, 38 tiles
-    assert kernels.tiles_for(tokens).persistent
-    spread = call.forward(weights, x, None, topk_weights, ids)
-    monkeypatch.setattr(kernels, "tiles_for", lambda _: kernels.DECODE_TILES)
-    assert_bitwise_equal(call.forward(weights, x, None, topk_weights, ids), spread, mode)
+    assert kernels.tiles_for(tokens, call.top_k, call.num_experts) is kernels.BATCH_TILES
+    persistent = call.forward(weights, x, None, topk_weights, ids)
+    for tiles in ("MIDSIZE_TILES", "DECODE_TILES"):
+        force_tiles(monkeypatch, tiles)
+        got = call.forward(weights, x, None, topk_weights, ids)
+        assert_bitwise_equal(got, persistent, f"{mode} {tiles}")
+        assert int(call._l1_done.count_nonzero()) == 0
+
+
+@pytest.mark.parametrize(
+    ("experts", "top_k", "tokens", "expected"),
+    [(512, 10, 511, "DECODE_TILES"), (512, 10, 512, "MIDSIZE_TILES"),
+     (512, 10, 1228, "MIDSIZE_TILES"), (512, 10, 1229, "BATCH_TILES"),
+     (288, 8, 864, "MIDSIZE_TILES"), (288, 8, 865, "BATCH_TILES"),
+     (64, 10, 512, "BATCH_TILES")],
+)  # fmt: skip
+def test_the_tiles_follow_the_tokens_and_the_pairs_per_expert(
+    experts: int, top_k: int, tokens: int, expected: str
+) -> None:
+    """Below 512 tokens the decode tiles; then the decode grid of 32-token tiles while the
+    local experts hold at most 24 pairs each on average (Qwen4-Exp's 512 x top-10 to 1228
+    tokens, GLM-5.3-Flash's 288 x top-8 to 864), persistent programs past it."""
+    kernels = importlib.import_module(KERNEL_MODULE)
+    assert kernels.tiles_for(tokens, top_k, experts) is getattr(kernels, expected)
 
 
 @pytest.mark.parametrize("shape", ["qwen4exp", "glm53flash"])

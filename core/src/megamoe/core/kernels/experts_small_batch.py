@@ -4,8 +4,8 @@ DeepGEMM's MegaMoE kernel costs 110-175 us per layer on one H200 rank whatever t
 (its dispatch, barriers and persistent schedule), more than reading a decode step's active
 experts takes. This path runs the same layer in three to five Triton launches over the
 experts' own resident tensors (no second copy of any weight), each launch after the first
-a programmatic dependent one at decode sizes (``Tiles.pdl``: its programs start while the
-launch before it runs, and wait for it only before reading what it wrote):
+a programmatic dependent one below the persistent sizes (``Tiles.pdl``: its programs start
+while the launch before it runs, and wait for it only before reading what it wrote):
 
 1. **route** (program 0, plus cast programs): the (token, slot) pairs of each local expert,
    grouped by expert (counts, offsets, the pairs in expert order, the list of experts that
@@ -19,7 +19,8 @@ launch before it runs, and wait for it only before reading what it wrote):
    ``COUNT_BLOCK`` pairs (each ranks its block's pairs per expert), then a **place** launch
    of as many programs puts them in expert order (one program grouping 40960 pairs alone
    took 105 us; spread, 33);
-2. **l1** (a program per active expert and 64 intermediate columns; from 512 tokens
+2. **l1** (a program per active expert and 64 intermediate columns; from 512 tokens, once
+   an expert holds more than ``MIDSIZE_PAIRS_PER_EXPERT`` pairs on average,
    ``L1_PROGRAMS_PER_SM`` persistent programs per SM, each taking (expert tile, 64 columns)
    items in turn): the gate and up rows
    of the block-FP8 ``w13`` (stored with gate and up rows interleaved in groups of 8,
@@ -28,7 +29,7 @@ launch before it runs, and wait for it only before reading what it wrote):
    columns (the Hopper kernel's rounding of its intermediate);
 3. **l2** (a program per active expert and ``block_n2`` hidden columns, or persistent
    programs as l1's): ``w2`` against those rows, one bf16 row per (token, slot), as the
-   Hopper kernel rounds its experts' outputs before its combine. At decode sizes where
+   Hopper kernel rounds its experts' outputs before its combine. In the decode grids where
    l1's programs do not all run at once, an l2 program waits for its own expert's l1
    programs only (each adds one to its expert's count once its rows are written; the
    combine zeroes the counts), so l2 streams the first experts' ``w2`` while l1 streams
@@ -38,10 +39,11 @@ launch before it runs, and wait for it only before reading what it wrote):
    combine).
 
 Every active expert's weights are streamed once per tile of ``block_m`` of its tokens: once
-per call at decode sizes, where one tile holds them (one program loops over its tiles);
-from 512 tokens its tiles are items that the persistent programs take side by side (each
-tile after the first cost about one more stream of the weights on the H200: Qwen4-Exp at
-4096 tokens took 3.05x the floor with about 3 tiles per expert). They come in tiles that the
+per call at decode sizes, where one tile holds them (one program loops over its tiles, of
+32 tokens from 512 tokens on); with more pairs per expert its tiles are items that the
+persistent programs take side by side (each tile after the first cost about one more
+stream of the weights on the H200: Qwen4-Exp at 4096 tokens took 3.05x the floor with
+about 3 tiles per expert). They come in tiles that the
 Tensor Memory Accelerator copies (host-side tensor descriptors over the resident ``w13``
 and ``w2``, made once per tensor and tile shape). The numerics are the Hopper kernel's, so
 the reference backend's emulation (``emulate_kernel=True``) is the oracle of both; the GEMMs
@@ -75,6 +77,7 @@ from megamoe.core.kernels.requant_codecs import ceil_ue8m0_exponent, ue8m0_recip
 __all__ = [
     "BATCH_TILES",
     "DECODE_TILES",
+    "MIDSIZE_TILES",
     "ExpertWeights",
     "SmallBatchExperts",
     "Tiles",
@@ -88,7 +91,7 @@ L1_GROUP = 8  # gate/up rows interleaved in groups of 8 (DeepGEMM's L1 order)
 BLOCK_N1 = ACT_GROUP  # intermediate columns per l1 program: one act scale group
 ROUTE_BLOCK = 4096  # pairs per step of the route program
 ROUTE_WARPS = 8  # warps of each route program (the grouping one's step: 16 pairs a thread)
-COUNT_BLOCK = 1024  # pairs per counting program, when the grouping is spread (persistent)
+COUNT_BLOCK = 1024  # pairs per counting program, when the grouping is spread (512 tokens on)
 COUNT_ROWS = 8  # blocks' counts each place program sums per step
 CAST_ROWS = 4  # token rows per cast program of the route launch
 COMBINE_BLOCK = 256  # hidden columns per combine program
@@ -119,6 +122,8 @@ class Tiles:
     ``persistent``: l1 and l2 run ``L1_PROGRAMS_PER_SM`` and ``L2_PROGRAMS_PER_SM`` programs
     per SM, each taking every so many of the call's (expert tile, column tile) items in
     turn, in place of one program per active expert and column tile.
+    ``spread``: the grouping of the pairs by expert is spread over counting programs and a
+    place launch (one program per ``COUNT_BLOCK`` pairs each), in place of one program.
     """
 
     block_m: int
@@ -128,14 +133,26 @@ class Tiles:
     l2_step: int
     pdl: bool
     persistent: bool
+    spread: bool
 
 
 DECODE_TILES = Tiles(
-    block_m=16, block_n2=64, warps=4, stages=5, l2_step=2, pdl=True, persistent=False
-)
+    block_m=16, block_n2=64, warps=4, stages=5, l2_step=2, pdl=True, persistent=False,
+    spread=False,
+)  # fmt: skip
+MIDSIZE_TILES = Tiles(
+    block_m=32, block_n2=128, warps=4, stages=5, l2_step=1, pdl=True, persistent=False,
+    spread=True,
+)  # fmt: skip
 BATCH_TILES = Tiles(
-    block_m=32, block_n2=128, warps=4, stages=5, l2_step=1, pdl=False, persistent=True
-)
+    block_m=32, block_n2=128, warps=4, stages=5, l2_step=1, pdl=False, persistent=True,
+    spread=True,
+)  # fmt: skip
+# From 512 tokens: the decode grid on 32-token tiles while the call's pairs per local expert
+# are at most this (three quarters of a tile: few experts hold a second one, which their
+# program would stream after the first), the persistent programs past it (docs/gpu.md).
+MIDSIZE_PAIRS_PER_EXPERT = 24
+ALL_TILES = (DECODE_TILES, MIDSIZE_TILES, BATCH_TILES)
 # Persistent programs per SM (what fits at once: l1's 5 stages of 20 KB hold two; three l2
 # programs streamed best, 2026-12-04, docs/gpu.md). A program that does not fit starts only
 # when another ends, late for its share of the items.
@@ -146,8 +163,12 @@ L2_PROGRAMS_PER_SM = 3
 SCAN_PAIRS = 64
 
 
-def tiles_for(tokens: int) -> Tiles:
+def tiles_for(tokens: int, top_k: int, num_experts: int) -> Tiles:
     """The tile shape for a call of ``tokens`` tokens (measured on the H200, docs/gpu.md).
+
+    ``top_k`` slots per token over ``num_experts`` local experts: from 512 tokens the pairs
+    an expert holds on average choose between the decode grid's 32-token tiles and the
+    persistent programs (``MIDSIZE_PAIRS_PER_EXPERT``).
 
     Decode sizes put one or two tokens on most experts: 16-token tiles waste least, and
     l2 programs of 64 columns with 5 stages in flight streamed best (within 4% of the best of
@@ -165,9 +186,17 @@ def tiles_for(tokens: int) -> Tiles:
     tokens, 2026-12-04). Batch tiles run persistent programs (a fixed number per SM, each
     taking items in turn: the programs of a wave no longer start and end together, leaving
     the memory idle between waves), with 5 stages: Qwen4-Exp at 1024 tokens 547 to 500 us,
-    GLM-5.3-Flash at 512 1995 to 1834 (the same bits).
+    GLM-5.3-Flash at 512 1995 to 1834 (the same bits). Since l2 waits per expert (the decode
+    grids), the decode grid of 32-token tiles and 128-column l2 programs beats them while an
+    expert holds up to about 25 pairs: Qwen4-Exp 3.0% faster at 512 and 1024 tokens (10 and
+    20 pairs per expert), 0.9% at 1280 (25), 4.1% slower at 1536 (30); GLM-5.3-Flash 2.5%
+    and 4.3% faster at 512 and 768 (14 and 21), 6.5% slower at 1024 (28; 2026-12-04).
     """
-    return DECODE_TILES if tokens < 512 else BATCH_TILES
+    if tokens < 512:
+        return DECODE_TILES
+    if tokens * top_k <= MIDSIZE_PAIRS_PER_EXPERT * num_experts:
+        return MIDSIZE_TILES
+    return BATCH_TILES
 
 
 def most_expert_tiles(pairs: int, num_experts: int, block_m: int) -> int:
@@ -1003,17 +1032,20 @@ class SmallBatchExperts:
             (cast, tiles, group): (
                 num_experts, experts_pow2, hidden, cast, tiles.pdl, group,
                 tiles.block_m if group and tiles.persistent else 0,
-                COUNT_BLOCK if group and tiles.persistent else 0,
+                COUNT_BLOCK if group and tiles.spread else 0,
             )
             for cast in (False, True)
-            for tiles in (DECODE_TILES, BATCH_TILES)
+            for tiles in ALL_TILES
             for group in (False, True)
         }  # fmt: skip
         self._place_c = {
-            tiles: (num_experts, experts_pow2, tiles.block_m, COUNT_BLOCK, tiles.pdl)
-            for tiles in (DECODE_TILES, BATCH_TILES)
-            if tiles.persistent
-        }
+            tiles: (
+                num_experts, experts_pow2, tiles.block_m if tiles.persistent else 0, COUNT_BLOCK,
+                tiles.pdl,
+            )
+            for tiles in ALL_TILES
+            if tiles.spread
+        }  # fmt: skip
         clamp = (swiglu_limit is not None, 0.0 if swiglu_limit is None else swiglu_limit)
         self._l1_c = (num_experts, top_k, hidden, intermediate, *clamp)
         self._l2_c = (num_experts, hidden, intermediate)
@@ -1061,7 +1093,7 @@ class SmallBatchExperts:
         if tokens == 0:
             return out
         pairs, index = tokens * self.top_k, topk_ids.device.index
-        tiles = tiles_for(tokens)
+        tiles = tiles_for(tokens, self.top_k, self.num_experts)
         cast = hidden_scale is None
         x, x_scale = self._x_fp8, self._x_scale
         if hidden_scale is not None:  # the router wrote FP8 tokens by the same rule
@@ -1071,8 +1103,8 @@ class SmallBatchExperts:
         if cast or not scan:  # FP8 tokens at scan sizes need no route launch at all
             route_c = self._route_c[(cast, tiles, not scan)]
             casts = triton.cdiv(tokens, CAST_ROWS) * (self.hidden // SCALE_BLOCK) if cast else 0
-            # persistent sizes spread the grouping: counting programs, then the place launch
-            groups = triton.cdiv(pairs, COUNT_BLOCK) if tiles.persistent else 1
+            # from 512 tokens the grouping is spread: counting programs, then the place launch
+            groups = triton.cdiv(pairs, COUNT_BLOCK) if tiles.spread else 1
             _route(
                 _key(route_c, topk_ids, hidden_states),
                 (groups + casts, 1, 1), index,
@@ -1080,7 +1112,7 @@ class SmallBatchExperts:
                  self._x_scale, pairs, tokens, self.first_expert),
                 route_c, ROUTE_WARPS,
             )  # fmt: skip
-            if tiles.persistent:
+            if tiles.spread:
                 place_c = self._place_c[tiles]
                 _place(
                     _key(place_c, topk_ids), (groups, 1, 1), index,
