@@ -603,16 +603,22 @@ def _wait_done(done_ptr: tl.tensor, expert: tl.tensor, PROGRAMS: tl.constexpr) -
 
 
 @triton.jit
+def _is_lead() -> tl.tensor:
+    """Whether this is the launch's program (0, 0), which does its once-a-launch work."""
+    return (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
+
+
+@triton.jit
 def _lead_outlasts_previous_launch() -> None:
     """Program (0, 0) waits for the previous launch: this launch does not end before it."""
-    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+    if _is_lead():
         gdc_wait()
 
 
 @triton.jit
 def _lead_zeroes(counts_ptr: tl.tensor, COUNT: tl.constexpr, BLOCK: tl.constexpr) -> None:
     """Program (0, 0) zeroes the ``COUNT`` int32 counts, ``BLOCK`` a step."""
-    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+    if _is_lead():
         for first in range(0, COUNT, BLOCK):
             at = first + tl.arange(0, BLOCK)
             tl.store(counts_ptr + at, tl.zeros([BLOCK], tl.int32), mask=at < COUNT)
