@@ -47,10 +47,10 @@ def test_the_crossover_is_where_the_models_cross(work: LayerWork) -> None:
 
 
 def test_the_measured_crossovers_of_the_real_layers() -> None:
-    # The latest H200 run (docs/gpu.md, 2026-12-04, fifth session): Qwen4-Exp's small-batch
-    # path beat MegaMoE at every count measured, 1-4096 tokens (1022 against 1767 us at
-    # 4096); GLM-5.3-Flash's beat it at 1-1024 tokens (1807 against 2153 at 512, 2139
-    # against 2371 at 1024: within the models' error) and lost at 2048 (3376 against 2729).
+    # The latest H200 run (docs/gpu.md, 2026-12-04, seventh session): Qwen4-Exp's small-batch
+    # path beat MegaMoE at every count measured, 1-4096 tokens (1031 against 1770 us at
+    # 4096); GLM-5.3-Flash's beat it at 1-1024 tokens (1761 against 2240 at 512, 2127
+    # against 2422 at 1024: within the models' error) and lost at 2048 (3398 against 2796).
     assert crossover_tokens(QWEN4EXP, 8192) >= 4096
     assert 512 <= crossover_tokens(GLM53FLASH, 8192) < 2048
 

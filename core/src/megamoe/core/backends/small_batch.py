@@ -76,7 +76,8 @@ class PathCost:
 # this MegaMoE model it would hand Qwen4-Exp to MegaMoE from 3316 tokens, which measured
 # 1.73x slower at 4096: the constants still stay (docs/gpu.md).
 # Where the two paths are within that of each other the rule may pick the slower one
-# (GLM-5.3-Flash at 1024 tokens: MegaMoE, 2371 us against the small-batch path's 2139).
+# (GLM-5.3-Flash at 1024 tokens, seventh session's table: MegaMoE, 2422 us against the
+# small-batch path's 2127).
 SMALL_BATCH_COST = PathCost(
     fixed_us=12.25, per_slot_us=0.0, per_program_us=0.0026, bandwidth=4.8e12, flops=4.19e14
 )

@@ -188,9 +188,9 @@ def tiles_for(tokens: int, top_k: int, num_experts: int) -> Tiles:
     the memory idle between waves), with 5 stages: Qwen4-Exp at 1024 tokens 547 to 500 us,
     GLM-5.3-Flash at 512 1995 to 1834 (the same bits). Since l2 waits per expert (the decode
     grids), the decode grid of 32-token tiles and 128-column l2 programs beats them while an
-    expert holds up to about 25 pairs: Qwen4-Exp 3.0% faster at 512 and 1024 tokens (10 and
-    20 pairs per expert), 0.9% at 1280 (25), 4.1% slower at 1536 (30); GLM-5.3-Flash 2.5%
-    and 4.3% faster at 512 and 768 (14 and 21), 6.5% slower at 1024 (28; 2026-12-04).
+    expert holds up to about 25 pairs: Qwen4-Exp 3.0% and 3.1% faster at 512 and 1024 tokens
+    (10 and 20 pairs per expert), 0.8% at 1280 (25), 4.6% slower at 1536 (30); GLM-5.3-Flash
+    2.5% and 4.6% faster at 512 and 768 (14 and 21), 6.3% slower at 1024 (28; 2026-12-04).
     """
     if tokens < 512:
         return DECODE_TILES
