@@ -42,6 +42,9 @@ DOCS_DEPS = (
     "mkdocstrings==1.0.8",
     "mkdocstrings-python==2.0.11",
 )
+# The small-batch kernels in Triton's CPU interpreter (core/kernel_tests/): the H200's
+# Triton, and a numpy its interpreter runs on (it reads one-element arrays with int()).
+INTERPRETER_DEPS = ("triton==3.6.0", "numpy<2.4")
 GPU_TEST_MODULES = ("pytest",)  # what gpu_tests needs in the machine's own environment
 
 nox.options.sessions = ["lint", "typecheck", "tests", "install"]
@@ -71,24 +74,34 @@ def _install(session: nox.Session, *packages: str) -> None:
     session.install(*CONSTRAINTS, *TEST_DEPS, *(f"./{PACKAGES[p]}" for p in packages))
 
 
-def _run_tests(session: nox.Session, paths: list[str], *extra: str) -> None:
+def _run_tests(
+    session: nox.Session, paths: list[str], *extra: str, env: dict[str, str] | None = None
+) -> None:
     # One intra-op thread: the test tensors are small, and torch's spinning worker threads
     # only contend with each other on CI's two cores.
-    session.run("pytest", *paths, *extra, *session.posargs, env={"OMP_NUM_THREADS": "1"})
+    env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    session.run("pytest", *paths, *extra, *session.posargs, env=env)
 
 
-# Each distribution alone with only its own dependencies, then cross-package end-to-end
-# tests over everything, once per weight format.
-TEST_MATRIX = [nox.param(p, "", id=p) for p in PACKAGES] + [
-    nox.param("all", f, id=f"all-{f}") for f in FORMATS
-]
+# Each distribution alone with only its own dependencies, the GPU kernels in Triton's
+# interpreter, then cross-package end-to-end tests over everything, once per weight format.
+TEST_MATRIX = (
+    [nox.param(p, "", id=p) for p in PACKAGES]
+    + [nox.param("kernels", "", id="kernels")]
+    + [nox.param("all", f, id=f"all-{f}") for f in FORMATS]
+)
 
 
 @nox.session
 @nox.parametrize("target,weight_format", TEST_MATRIX)
 @_removes_its_venv
 def tests(session: nox.Session, target: str, weight_format: str) -> None:
-    """CPU tests: one package alone, or everything for one weight format."""
+    """CPU tests: one package alone, the kernels interpreted, or everything for one format."""
+    if target == "kernels":
+        _install(session, "core")
+        session.install(*CONSTRAINTS, *INTERPRETER_DEPS)
+        _run_tests(session, ["core/kernel_tests"], env={"TRITON_INTERPRET": "1"})
+        return
     if target == "all":
         _install(session, "core", "qwen4exp", "glm5next")
         session.install(*CONSTRAINTS, *ORACLE_DEPS)

@@ -307,23 +307,6 @@ def test_every_tile_shape_and_grouping_gives_the_same_bits(
         assert int(call._l1_done.count_nonzero()) == 0
 
 
-@pytest.mark.parametrize(
-    ("experts", "top_k", "tokens", "expected"),
-    [(512, 10, 511, "DECODE_TILES"), (512, 10, 512, "MIDSIZE_TILES"),
-     (512, 10, 1228, "MIDSIZE_TILES"), (512, 10, 1229, "BATCH_TILES"),
-     (288, 8, 864, "MIDSIZE_TILES"), (288, 8, 865, "BATCH_TILES"),
-     (64, 10, 512, "BATCH_TILES")],
-)  # fmt: skip
-def test_the_tiles_follow_the_tokens_and_the_pairs_per_expert(
-    experts: int, top_k: int, tokens: int, expected: str
-) -> None:
-    """Below 512 tokens the decode tiles; then the decode grid of 32-token tiles while the
-    local experts hold at most 24 pairs each on average (Qwen4-Exp's 512 x top-10 to 1228
-    tokens, GLM-5.3-Flash's 288 x top-8 to 864), persistent programs past it."""
-    kernels = importlib.import_module(KERNEL_MODULE)
-    assert kernels.tiles_for(tokens, top_k, experts) is getattr(kernels, expected)
-
-
 @pytest.mark.parametrize("shape", ["qwen4exp", "glm53flash"])
 def test_l2_waits_for_its_experts_l1_programs_and_the_counts_start_at_zero(shape: str) -> None:
     """At decode sizes each l2 program waits for its expert's l1 programs (a count per

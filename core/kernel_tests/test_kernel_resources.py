@@ -1,0 +1,71 @@
+"""The small-batch kernels compiled for sm90 on CPU: no spills, and their programs fit an SM.
+
+``benchmarks/kernel_resources.py`` compiles l1 and l2 of every tile shape the tile rule picks,
+for both real layers, as the experts path launches them (Triton's wheel carries ``ptxas``),
+in a process of its own: this folder's runs interpret the kernels, which compiles nothing.
+A kernel that spills registers to its stack, or persistent programs of which an SM holds
+fewer than the ``*_PROGRAMS_PER_SM`` it starts (the rest start only as others end, late for
+their share of the items), would be slow on the GPU with the same bits: what only a
+benchmark on the GPU would otherwise show.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = ROOT / "benchmarks" / "kernel_resources.py"
+
+
+def test_the_tile_shapes_compile_without_spills_and_their_programs_fit(tmp_path: Path) -> None:
+    report = tmp_path / "resources.json"
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, str(TOOL), "--json", str(report)],
+        env=env | {"TRITON_CACHE_DIR": str(tmp_path / "triton")},
+        capture_output=True, text=True, cwd=ROOT, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = json.loads(report.read_text())
+    shapes = {(row["layer"], row["tiles"], row["kernel"]) for row in rows}
+    assert len(shapes) == 2 * 3 * 2, sorted(shapes)  # both layers, three tile shapes, l1 and l2
+    for row in rows:
+        where = f"{row['layer']} {row['tiles']} {row['kernel']}"
+        assert row["stack"] == 0, f"{where} spills registers: {row}"
+        assert row["fit"] >= 1, f"{where}: no program fits an SM: {row}"
+        if row["launched"] != "-":
+            assert row["fit"] >= int(row["launched"]), f"{where}: programs left waiting: {row}"
+
+
+@pytest.fixture(scope="module")
+def kernel_resources() -> ModuleType:
+    sys.path.insert(0, str(TOOL.parent))  # it imports bench_decode and the harness by name
+    spec = importlib.util.spec_from_file_location("kernel_resources", TOOL)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_tile_shape_is_named_with_the_fields_it_changes(
+    kernel_resources: ModuleType, gpu_like_interpreter: ModuleType
+) -> None:
+    """``--tiles`` of both tools: a module tile shape, or one with some fields changed."""
+    kernels = gpu_like_interpreter
+    assert kernel_resources.tile_shape("BATCH_TILES") == ("BATCH_TILES", kernels.BATCH_TILES)
+    name, tiles = kernel_resources.tile_shape("BATCH_TILES:block_m=64,stages=4,pdl=True")
+    expected = dataclasses.replace(kernels.BATCH_TILES, block_m=64, stages=4, pdl=True)
+    assert (name, tiles) == ("BATCH_TILES:block_m=64,stages=4,pdl=True", expected)
+    with pytest.raises(SystemExit, match="'NOPE' is no tile shape"):
+        kernel_resources.tile_shape("NOPE")
+    with pytest.raises(SystemExit, match="Tiles has no field 'block_k'"):
+        kernel_resources.tile_shape("BATCH_TILES:block_k=64")
