@@ -999,7 +999,9 @@ class SmallBatchExperts:
                 f"small-batch experts: hidden {hidden} and intermediate {intermediate} must be "
                 f"multiples of {SCALE_BLOCK} (the block scales' size)"
             )
-        most_experts, most_tokens = (1 << 31) // TILE_LIMIT, TILE_LIMIT * BATCH_TILES.block_m
+        # the persistent tiles' smallest tile: the most expert tiles the route table holds
+        tile_m = min(tiles.block_m for tiles in ALL_TILES if tiles.persistent)
+        most_experts, most_tokens = (1 << 31) // TILE_LIMIT, TILE_LIMIT * tile_m
         if num_experts > most_experts or max_tokens > most_tokens:
             raise ValueError(
                 f"small-batch experts: {num_experts} local experts and max_tokens {max_tokens}; "
@@ -1012,7 +1014,7 @@ class SmallBatchExperts:
         self.swiglu_limit = swiglu_limit
         self.max_tokens = max_tokens
         pairs = max_tokens * top_k
-        expert_tiles = most_expert_tiles(pairs, num_experts, BATCH_TILES.block_m)
+        expert_tiles = most_expert_tiles(pairs, num_experts, tile_m)
         self._table = torch.empty(
             3 * num_experts + 2 + 2 * pairs + expert_tiles, dtype=torch.int32, device=device
         )

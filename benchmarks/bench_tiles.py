@@ -1,0 +1,138 @@
+"""Tile shapes of the small-batch path side by side on one GPU, the floor beside them.
+
+For each real layer (``bench_decode.LAYERS``) and token count, every ``--tiles`` shape
+(``NAME`` or ``NAME:field=value,...`` over one of the module's shapes, as in
+``kernel_resources.py``) runs the layer's small-batch kernels with the tile rule forced to
+it, graphed, on the same block-FP8 weights and uniform random routing; every shape takes
+one sample per round (``--rounds``), so the ratios are side by side. Each row says:
+
+- ``us``: microseconds per layer, CUDA-graph replay median over ``--layers`` weight copies
+  called in turn (no layer finds its weights in L2);
+- ``floor``: the ratio to the active experts' bytes over 4.8 TB/s (``bench_decode``'s floor);
+- ``vs first``: the ratio to the first shape's time;
+- ``bits``: whether the output equals the first shape's bit for bit (it must: the tile
+  shape changes which program computes a row, not how);
+- ``l1``, ``l2``, ``combine``...: each launch's microseconds per layer (torch profiler over
+  eager calls).
+
+    python benchmarks/bench_tiles.py --tokens 1536,2048,4096 \\
+        --tiles "BATCH_TILES BATCH_TILES:block_m=64,stages=4" --json tiles.json
+
+``kernel_resources.py`` says beforehand whether a shape spills or fits fewer programs per
+SM than it launches. Needs a CUDA device with DeepGEMM (the layers load through it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench_decode import LAYERS, build_layer, calls_in_turn, floor_us, routing
+from harness import back_to_back_sample, cuda_graph_replay, format_table, interleaved_us, write_json
+from kernel_resources import tile_shape
+from megamoe.core.kernels import experts_small_batch as kernels
+
+COLUMNS = [
+    ("layer", "<10"),
+    ("tokens", ">6d"),
+    ("pairs/expert", ">12.1f"),
+    ("tiles", "<40"),
+    ("us", ">8.1f"),
+    ("floor", ">6.2f"),
+    ("vs first", ">8.3f"),
+    ("bits", "<5"),
+    ("launches us", "<40"),
+]
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", default="1024,1536,2048,3072,4096")
+    p.add_argument("--models", default="qwen4exp,glm53flash")
+    p.add_argument("--tiles", default="MIDSIZE_TILES BATCH_TILES",
+                   help="tile shapes, space-separated; the first is the baseline")  # fmt: skip
+    p.add_argument("--layers", type=int, default=2, help="weight copies per graph")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--reps", type=int, default=10, help="replays per sample")
+    p.add_argument("--json", default="bench_tiles.json")
+    return p.parse_args(argv)
+
+
+@contextlib.contextmanager
+def forced(tiles: kernels.Tiles) -> Iterator[None]:
+    """Every call of the small-batch kernels takes ``tiles`` (the tile rule, replaced)."""
+    rule = kernels.tiles_for
+    kernels.tiles_for = lambda tokens, top_k, num_experts: tiles
+    try:
+        yield
+    finally:
+        kernels.tiles_for = rule
+
+
+def launch_us(fn: Any, layers: int, calls: int = 3) -> str:
+    """Each kernel's microseconds per layer call, from the profiler over ``calls`` eager calls."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times = {
+        event.key.strip("_").removesuffix("_kernel"): event.device_time_total / calls / layers
+        for event in prof.key_averages()
+        if event.device_type.name == "CUDA" and event.key.startswith("_")
+    }
+    return " ".join(f"{name}={us:.0f}" for name, us in times.items())
+
+
+def measure(name: str, counts: list[int], shapes: list[tuple[str, Any]], args: argparse.Namespace):
+    experts, top_k = LAYERS[name][:2]
+    layers = [build_layer(name, 100 + i, max(counts), "small_batch") for i in range(args.layers)]
+    rows = []
+    for tokens in counts:
+        x, weights, ids = routing(name, tokens, seed=tokens)
+        _, floor = floor_us(name, ids)
+        call = calls_in_turn(layers, x, weights, ids)
+        samplers, bits, split, first = {}, {}, {}, None
+        for spec, tiles in shapes:
+            with forced(tiles):
+                out = layers[0](x, weights, ids).clone()
+                first = out if first is None else first
+                bits[spec] = torch.equal(out.view(torch.int16), first.view(torch.int16))
+                samplers[spec] = back_to_back_sample(cuda_graph_replay(call), args.reps)
+                split[spec] = launch_us(call, args.layers)
+        times = interleaved_us(samplers, warmup=2, rounds=args.rounds)
+        base = times[shapes[0][0]]
+        for spec, _ in shapes:
+            row = {"layer": name, "tokens": tokens, "pairs/expert": tokens * top_k / experts,
+                   "tiles": spec, "us": times[spec] / args.layers,
+                   "floor": times[spec] / args.layers / floor, "vs first": times[spec] / base,
+                   "bits": str(bits[spec]), "launches us": split[spec]}  # fmt: skip
+            rows.append(row)
+            print(format_table(COLUMNS, [[row[c] for c, _ in COLUMNS]]).splitlines()[-1],
+                  flush=True)  # fmt: skip
+    del layers
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse(argv)
+    shapes = [tile_shape(spec) for spec in args.tiles.split()]
+    # the kernels make each tile shape's launch constants once, at construction
+    kernels.ALL_TILES = tuple(dict.fromkeys([*kernels.ALL_TILES, *(t for _, t in shapes)]))
+    counts = [int(t) for t in args.tokens.split(",")]
+    print(format_table(COLUMNS, []), flush=True)
+    rows = []
+    for name in args.models.split(","):
+        rows += measure(name, counts, shapes, args)
+    write_json(args.json, rows)
+
+
+if __name__ == "__main__":
+    main()
