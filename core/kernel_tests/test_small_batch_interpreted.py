@@ -253,3 +253,48 @@ def test_the_tiles_follow_the_tokens_and_the_pairs_per_expert(
     tokens, GLM-5.3-Flash's 288 x top-8 to 864), persistent programs past it."""
     kernels = gpu_like_interpreter
     assert kernels.tiles_for(tokens, top_k, experts) is getattr(kernels, expected)
+
+
+def test_int64_ids_and_an_empty_call(
+    gpu_like_interpreter: ModuleType,
+    references: dict[tuple[float | None, bool], MegaMoEExperts],
+    calls: dict[float | None, Any],
+) -> None:
+    """The dispatch buffer's int64 ids give the int32 ids' bits (each dtype its own compiled
+    variant on the GPU), in the scan and the grouped launches; no tokens, an empty output."""
+    experts = kernel_weights(gpu_like_interpreter, references[(10.0, True)])
+    call = calls[10.0]
+    for tokens in (3, 24):
+        x, weights, ids = routing(tokens, seed=23)
+        assert_bitwise_equal(
+            call.forward(experts, x, None, weights, ids.long()),
+            call.forward(experts, x, None, weights, ids),
+            f"{tokens} tokens: int64 ids vs int32",
+        )
+    empty = call.forward(experts, x[:0], None, weights[:0], ids[:0])
+    assert empty.shape == (0, HIDDEN) and empty.dtype == torch.bfloat16
+
+
+def test_bad_shapes_and_weights_are_refused_by_name(
+    gpu_like_interpreter: ModuleType,
+    references: dict[tuple[float | None, bool], MegaMoEExperts],
+    calls: dict[float | None, Any],
+) -> None:
+    kernels = gpu_like_interpreter
+    with pytest.raises(ValueError, match="hidden 200 and intermediate 256 must be multiples"):
+        kernels.SmallBatchExperts(
+            num_experts=EXPERTS, first_expert=0, top_k=TOP_K, hidden=200, intermediate=INTER,
+            swiglu_limit=None, max_tokens=8, device=torch.device("cpu"),
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="max_tokens 3000000; at most 32768 and 2097152"):
+        kernels.SmallBatchExperts(
+            num_experts=EXPERTS, first_expert=0, top_k=TOP_K, hidden=HIDDEN, intermediate=INTER,
+            swiglu_limit=None, max_tokens=3_000_000, device=torch.device("cpu"),
+        )  # fmt: skip
+    w13 = kernel_weights(kernels, references[(None, True)]).w13
+    with pytest.raises(ValueError, match="small-batch experts: w13 "):
+        kernels.ExpertWeights(w13.transpose(1, 2), None, w13, None)  # type: ignore[arg-type]
+    x, weights, ids = routing(MAX_TOKENS + 1, seed=1)
+    experts = kernel_weights(kernels, references[(None, True)])
+    with pytest.raises(ValueError, match=f"{MAX_TOKENS + 1} tokens exceed the {MAX_TOKENS}"):
+        calls[None].forward(experts, x, None, weights, ids)
