@@ -14,7 +14,7 @@ takes one sample per round, ``--rounds`` rounds):
 - ``contiguous``: ``m_grouped_fp8_fp4_gemm_nt_contiguous`` for L1 and L2 alone, the tokens
   sorted by expert and each expert padded to 128 rows (measured from 256 tokens);
 - ``floor``: the larger of the active experts' weight bytes over 4.8 TB/s and their FLOPs
-  over 989 TFLOP/s (H200 FP8 dense);
+  over 1979 TFLOP/s (H200 FP8 dense);
 - ``chosen``: the path ``experts_path="auto"`` takes at that count
   (``megamoe.core.backends.small_batch``) and its time.
 
@@ -64,7 +64,7 @@ from megamoe.core.numerics.formats import WeightFormat
 
 FMT = WeightFormat.FP8_BLOCK
 PEAK_BYTES_PER_S = 4.8e12  # H200 HBM3e
-PEAK_FP8_FLOPS = 989e12  # H200 dense FP8
+PEAK_FP8_FLOPS = 1979e12  # H200 dense FP8 (989e12 is its dense BF16)
 # name: (experts, top-k, hidden, intermediate, SwiGLU clamp, shared intermediate)
 LAYERS = {
     "qwen4exp": (512, 10, 2048, 512, None, 512),
@@ -212,11 +212,16 @@ def calls_in_turn(calls: Sequence[Callable[..., Any]], *inputs: torch.Tensor) ->
 
 def floor_us(name: str, ids: torch.Tensor) -> tuple[int, float]:
     """Active experts and the floor (weights over bandwidth, FLOPs over FP8 peak)."""
-    _, _, hidden, inter, _, _ = LAYERS[name]
     active = int(ids.unique().numel())
+    return active, active_floor_us(name, active, ids.shape[0])
+
+
+def active_floor_us(name: str, active: int, tokens: int) -> float:
+    """The floor of ``tokens`` tokens on ``active`` experts of layer ``name``."""
+    _, top_k, hidden, inter, _, _ = LAYERS[name]
     weight_bytes = active * 3 * hidden * inter
-    flops = 2 * ids.numel() * 3 * hidden * inter
-    return active, 1e6 * max(weight_bytes / PEAK_BYTES_PER_S, flops / PEAK_FP8_FLOPS)
+    flops = 2 * tokens * top_k * 3 * hidden * inter
+    return 1e6 * max(weight_bytes / PEAK_BYTES_PER_S, flops / PEAK_FP8_FLOPS)
 
 
 def measure_layer(name: str, counts: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -279,8 +284,10 @@ def finish_row(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def rechosen(row: dict[str, Any], max_tokens: int) -> dict[str, Any]:
-    """A saved row with the path this checkout's rule takes (its times are the saved ones)."""
-    return finish_row(row | {"limit": rule_limit(row["layer"], max_tokens)})
+    """A saved row with the path this checkout's rule takes and this checkout's floor (of the
+    saved active experts); its times are the saved ones."""
+    floor = active_floor_us(row["layer"], row["active"], row["tokens"])
+    return finish_row(row | {"limit": rule_limit(row["layer"], max_tokens), "floor": floor})
 
 
 def block_chosen(row: dict[str, Any], max_tokens: int) -> dict[str, Any]:
