@@ -33,9 +33,9 @@ pytestmark = pytest.mark.filterwarnings(
 FMT = WeightFormat.FP8_BLOCK
 EXPERTS, TOP_K, HIDDEN, INTER = 16, 4, 256, 256
 MAX_TOKENS = 640
-# Only the GEMMs' summation order differs from the emulating reference (measured here:
-# 0 at 1-3 tokens, at most 1e-4 beyond); the float reference is 4e-2 away.
-EMULATED_TOL = 1e-3
+# Only the GEMMs' summation order differs from the emulating reference (measured here: 0 at
+# 1-40 tokens, 2.9e-5 at 520); the float reference is 3.6e-2 to 6.6e-2 away.
+EMULATED_TOL = 2e-4
 FLOAT_DISTANCE = 1e-2  # the float reference must be at least this far: the test can tell
 
 
