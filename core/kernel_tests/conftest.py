@@ -1,4 +1,4 @@
-"""Triton's CPU interpreter, made to round as the GPU does, for the small-batch kernels.
+"""Triton's CPU interpreter, made to compute as the GPU does, for megamoe's Triton kernels.
 
 ``nox -s "tests(kernels)"`` runs this folder with ``TRITON_INTERPRET=1`` and the H200's
 Triton (3.6.0): every program of every launch runs in numpy, one after another, on the
@@ -8,14 +8,16 @@ differences matter to these kernels, and the session fixture below removes each:
 
 - float32 to ``float8e4nv`` rounds half up with no carry into the exponent (124.0 gives
   64.0, 100.0 gives 104.0) and float32 to bfloat16 truncates; the GPU rounds both to
-  nearest even. Those two conversions take torch's (round to nearest even), the rest stay;
+  nearest even. ``float8e4nv`` to float32 or float16 reads E4M3FN's NaN (0x7F) as 480.
+  Those conversions take torch's, the rest stay;
 - an FP8 ``tl.dot`` sums in float32 with numpy's BLAS, whose order changes with the
   operands' shapes, so two tile shapes could round one element apart; the GPU's order is
   fixed per element. FP8 dots sum in float64 here (128 products of two FP8 values sum
   exactly) and round once to float32: one sum per element, whatever the tile shape;
 - ``gdc_wait`` and ``gdc_launch_dependents`` (programmatic dependent launches) have no
-  interpreter version: they become no-ops, right where launches run one after another;
-- ``libdevice.exp`` has none either: it becomes ``tl.exp`` (numpy's exp, correctly
+  interpreter version: in the small-batch kernels they become no-ops, right where launches
+  run one after another;
+- ``libdevice.exp`` has none either: there it becomes ``tl.exp`` (numpy's exp, correctly
   rounded where libdevice's is within 1 ulp);
 - with no CUDA device there are no SMs to size the persistent grids by: the H200's 132.
 
@@ -45,20 +47,28 @@ from triton.runtime import interpreter
 
 H200_SMS = 132  # the persistent grids are sized by the H200's SMs
 _CONVERT = interpreter._convert_float  # the interpreter's own conversion (what it replaces)
-# Conversions the interpreter rounds otherwise than the GPU, done by torch instead.
-_ROUNDED_BY_TORCH = {"fp8e4nv": torch.float8_e4m3fn, "bf16": torch.bfloat16}
+# Conversions the interpreter gets otherwise than the GPU, done by torch instead: rounding to
+# FP8 and bf16, and FP8's NaN (E4M3FN's 0x7F, which the interpreter reads as 480).
+_TORCH = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+          "fp8e4nv": torch.float8_e4m3fn}  # fmt: skip
+_BY_TORCH = {("fp32", "fp8e4nv"), ("fp32", "bf16"), ("fp8e4nv", "fp32"), ("fp8e4nv", "fp16")}
+# bytes per element: (numpy and torch integers that hold the bits, the interpreter's own)
+_BITS = {
+    1: (np.uint8, torch.uint8, np.uint8),
+    2: (np.int16, torch.int16, np.uint16),
+    4: (np.int32, torch.int32, np.uint32),
+}
 
 
-def _gpu_rounded_conversion(
-    values: np.ndarray, source: Any, target: Any, rounding_mode: Any
-) -> np.ndarray:
-    """float32 to float8e4nv or bfloat16 rounded to nearest even, as bits; else the own."""
-    dtype = _ROUNDED_BY_TORCH.get(str(target))
-    if str(source) != "fp32" or dtype is None:
+def _gpu_like_conversion(values: np.ndarray, source: Any, target: Any, rounding_mode: Any) -> Any:
+    """``_BY_TORCH``'s conversions as torch (and the GPU) do them, as bits; else the own."""
+    if (str(source), str(target)) not in _BY_TORCH:
         return _CONVERT(values, source, target, rounding_mode)
-    floats = torch.from_numpy(np.ascontiguousarray(values).view(np.float32))
-    bits = floats.to(dtype).view(torch.uint8 if dtype.itemsize == 1 else torch.int16)
-    return bits.numpy().view(np.uint8 if dtype.itemsize == 1 else np.uint16)
+    dtype_in, dtype_out = _TORCH[str(source)], _TORCH[str(target)]
+    np_in, torch_in, _ = _BITS[dtype_in.itemsize]
+    bits_in = torch.from_numpy(np.ascontiguousarray(values).view(np_in)).view(torch_in)
+    _, torch_out, np_out = _BITS[dtype_out.itemsize]
+    return bits_in.view(dtype_in).to(dtype_out).view(torch_out).numpy().view(np_out)
 
 
 _DOT = interpreter.InterpreterBuilder.create_dot
@@ -100,7 +110,7 @@ def gpu_like_interpreter() -> Iterator[types.ModuleType]:
             "folder alone with TRITON_INTERPRET=1 (nox -s 'tests(kernels)')"
         )
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(interpreter, "_convert_float", _gpu_rounded_conversion)
+        patch.setattr(interpreter, "_convert_float", _gpu_like_conversion)
         patch.setattr(interpreter.InterpreterBuilder, "create_dot", _exact_fp8_dot)
         patch.setattr(kernels, "gdc_wait", _no_dependent_launch)
         patch.setattr(kernels, "gdc_launch_dependents", _no_dependent_launch)

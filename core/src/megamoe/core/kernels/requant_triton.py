@@ -23,6 +23,7 @@ from functools import cache
 import torch
 import triton
 from torch import Tensor
+from triton import knobs
 
 from megamoe.core.errors import NonFiniteError
 from megamoe.core.kernels.requant_block import requant_to_block_kernel
@@ -72,7 +73,7 @@ class KernelConfig:
         programs_per_sm: 0 launches one program per tile; n > 0 launches n programs per
             multiprocessor that loop over the tiles (persistent grid).
         e2m1_ptx: encode MXFP4 with inline PTX; False uses portable integer operations
-            (slower; the only choice under the Triton interpreter).
+            (slower; the only choice under the Triton interpreter, and its default there).
     """
 
     rows: int = 32
@@ -80,7 +81,7 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 1
     programs_per_sm: int = 0
-    e2m1_ptx: bool = True
+    e2m1_ptx: bool = not knobs.runtime.interpret
 
 
 # Chosen by ``benchmarks/bench_requant.py --sweep`` on the H200 (64x3072x4096 experts): two
