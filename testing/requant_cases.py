@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 import torch
+from bitcheck import assert_bitwise_equal
 
 from megamoe.core.numerics import quant
 from megamoe.core.numerics.formats import WeightFormat
@@ -176,3 +177,26 @@ def every_bf16_value() -> torch.Tensor:
     bits = bits[(bits & 0x7F80) != 0x7F80].to(torch.int16)  # finite only
     bits = bits[torch.randperm(bits.numel(), generator=torch.Generator().manual_seed(0))]
     return bits[: 63 * 1024].view(torch.bfloat16).reshape(3, 168, 128)
+
+
+def poisoned(
+    src: W, role: str, index: tuple[int, int, int], bad: float, device: str
+) -> tuple[Any, ...]:
+    """Model-like ``src`` weights with one ``POISON`` entry written into ``role``."""
+    weight, scale = model_like(src, (3, 192, 256), 0.05, seed=9, device=device)
+    if role == "scale":
+        scale[index] = bad
+    elif src is W.BF16:
+        weight[index] = bad
+    else:
+        weight.view(torch.uint8)[index] = int(bad)
+    return weight, scale
+
+
+def assert_same_result(
+    got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor], what: str
+) -> None:
+    """Two ``(weight, scale)`` results are the same bytes."""
+    for name, a, b in (("weight", got[0], want[0]), ("scale", got[1], want[1])):
+        a_bytes, b_bytes = (t.view(torch.uint8) if t.element_size() == 1 else t for t in (a, b))
+        assert_bitwise_equal(a_bytes, b_bytes, f"{what}: {name}")

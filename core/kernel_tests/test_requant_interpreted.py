@@ -15,26 +15,12 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+import requant_cases as cases
 import torch
-from bitcheck import assert_bitwise_equal
-from requant_cases import (
-    EDGE_ROWS,
-    FP4_TIE_CODES,
-    PAIR_IDS,
-    PAIRS,
-    POISON,
-    W,
-    edge_case_rows,
-    every_bf16_value,
-    every_e2m1_byte,
-    every_e4m3_byte,
-    fp4_tie_inputs,
-    model_like,
-    random_bits,
-)  # fmt: skip
 
 from megamoe.core.errors import NonFiniteError
 from megamoe.core.numerics import quant
+from megamoe.core.numerics.formats import WeightFormat as W
 
 # Triton 3.6's interpreter reads one-element arrays with int() (numpy < 2.4 only warns).
 pytestmark = pytest.mark.filterwarnings(
@@ -49,10 +35,6 @@ def kernels(gpu_like_interpreter: ModuleType) -> ModuleType:
 
     assert not requant_triton.KernelConfig().e2m1_ptx, "the interpreter's default encoder"
     return requant_triton
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
 def assert_same(
@@ -70,21 +52,20 @@ def assert_same(
     cfg = kernels.KernelConfig(**{**vars(kernels.default_config(src, dst)), **config})
     got_w, got_s, flag = kernels.requantize_triton_async(weight, scale, src, dst, block, config=cfg)
     assert int(flag) == 0, f"{what}: non-finite flag set"
-    assert_bitwise_equal(_bytes(got_w), _bytes(want_w), f"{what}: weight")
-    assert_bitwise_equal(got_s, want_s, f"{what}: scale")
+    cases.assert_same_result((got_w, got_s), (want_w, want_s), what)
 
 
 @pytest.mark.parametrize("std", [1e-6, 2e4], ids=["tiny", "huge"])
-@pytest.mark.parametrize("src, dst", PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize("src, dst", cases.PAIRS, ids=cases.PAIR_IDS)
 def test_model_like_weights(kernels: ModuleType, src: W, dst: W, std: float) -> None:
-    weight, scale = model_like(src, SHAPE, std, seed=7, device="cpu")
+    weight, scale = cases.model_like(src, SHAPE, std, seed=7, device="cpu")
     assert_same(kernels, weight, scale, src, dst, f"{src.value}->{dst.value} std={std}")
 
 
-@pytest.mark.parametrize("src, dst", PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize("src, dst", cases.PAIRS, ids=cases.PAIR_IDS)
 def test_random_bit_patterns_on_a_persistent_grid(kernels: ModuleType, src: W, dst: W) -> None:
     """Random encodings, once with a program per tile, once with two programs looping."""
-    weight, scale = random_bits(src, (2, 256, 320), seed=1, device="cpu")
+    weight, scale = cases.random_bits(src, (2, 256, 320), seed=1, device="cpu")
     what = f"{src.value}->{dst.value} random bits"
     assert_same(kernels, weight, scale, src, dst, what)
     assert_same(kernels, weight, scale, src, dst, f"{what}, persistent", programs_per_sm=2)
@@ -92,8 +73,8 @@ def test_random_bit_patterns_on_a_persistent_grid(kernels: ModuleType, src: W, d
 
 @pytest.mark.parametrize("dst", [W.MXFP8, W.MXFP4, W.FP8_BLOCK], ids=lambda f: f.value)
 def test_edge_case_rows(kernels: ModuleType, dst: W) -> None:
-    for case in EDGE_ROWS:
-        x = edge_case_rows(case)
+    for case in cases.EDGE_ROWS:
+        x = cases.edge_case_rows(case)
         assert_same(kernels, x, None, W.BF16, dst, case, block=(1, 32))
         assert_same(kernels, x.repeat(1, 32, 4), None, W.BF16, dst, f"{case} in 128x128 blocks")
 
@@ -101,27 +82,27 @@ def test_edge_case_rows(kernels: ModuleType, dst: W) -> None:
 @pytest.mark.parametrize("src", [W.BF16, W.MXFP8, W.FP8_BLOCK], ids=lambda f: f.value)
 def test_fp4_ties_round_to_even(kernels: ModuleType, src: W) -> None:
     """Sources that hold the ties exactly, at several scales: Triton == torch == the table."""
-    weight, scale, exps = fp4_tie_inputs(src)
+    weight, scale, exps = cases.fp4_tie_inputs(src)
     assert_same(kernels, weight, scale, src, W.MXFP4, f"{src.value} ties", block=(1, 32))
     got_w, got_s, _ = kernels.requantize_triton_async(weight, scale, src, W.MXFP4, (1, 32))
-    assert quant.unpack_e2m1(got_w)[:, 0, :15].tolist() == [FP4_TIE_CODES] * 8
+    assert quant.unpack_e2m1(got_w)[:, 0, :15].tolist() == [cases.FP4_TIE_CODES] * 8
     assert got_s.flatten().tolist() == exps.tolist()
 
 
 @pytest.mark.parametrize("exponent", [1, 127, 245])
 def test_every_e4m3_and_e2m1_byte(kernels: ModuleType, exponent: int) -> None:
-    weight, scale, block_scale = every_e4m3_byte(exponent)
+    weight, scale, block_scale = cases.every_e4m3_byte(exponent)
     for dst in (W.MXFP4, W.FP8_BLOCK):
         assert_same(kernels, weight, scale, W.MXFP8, dst, f"E4M3 bytes, 2^{exponent - 127}")
     for dst in (W.MXFP8, W.MXFP4):
         assert_same(kernels, weight, block_scale, W.FP8_BLOCK, dst, f"E4M3 bytes, {exponent}")
-    packed, scale = every_e2m1_byte(exponent)
+    packed, scale = cases.every_e2m1_byte(exponent)
     for dst in (W.MXFP8, W.FP8_BLOCK):
         assert_same(kernels, packed, scale, W.MXFP4, dst, f"E2M1 bytes, 2^{exponent - 127}")
 
 
 def test_every_bf16_value(kernels: ModuleType) -> None:
-    x = every_bf16_value()
+    x = cases.every_bf16_value()
     for dst in (W.MXFP8, W.MXFP4, W.FP8_BLOCK):
         assert_same(kernels, x, None, W.BF16, dst, f"every bf16 value -> {dst.value}")
 
@@ -130,21 +111,15 @@ def test_every_bf16_value(kernels: ModuleType) -> None:
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize(
-    "src, role, index, bad", POISON, ids=[f"{p[0].value}-{p[1]}-{p[3]}" for p in POISON]
+    "src, role, index, bad", cases.POISON, ids=[f"{p[0].value}-{p[1]}-{p[3]}" for p in cases.POISON]
 )
 def test_non_finite_input_is_flagged_and_located(
     kernels: ModuleType, src: W, role: str, index: tuple[int, int, int], bad: float
 ) -> None:
     """The kernel's flag is set, and the synchronous call names the first bad element as
     the torch path does."""
-    weight, scale = model_like(src, (3, 192, 256), 0.05, seed=9, device="cpu")
-    if role == "scale":
-        scale[index] = bad
-    elif src is W.BF16:
-        weight[index] = bad
-    else:
-        weight.view(torch.uint8)[index] = int(bad)
-    for dst in [d for s, d in PAIRS if s is src]:
+    weight, scale = cases.poisoned(src, role, index, bad, device="cpu")
+    for dst in [d for s, d in cases.PAIRS if s is src]:
         _, _, flag = kernels.requantize_triton_async(weight, scale, src, dst)
         assert int(flag) == 1, f"{src.value}->{dst.value}: flag not set"
         with pytest.raises(NonFiniteError) as torch_error:

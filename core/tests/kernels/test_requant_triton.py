@@ -29,12 +29,14 @@ from requant_cases import (
     PAIRS,
     POISON,
     W,
+    assert_same_result,
     edge_case_rows,
     every_bf16_value,
     every_e2m1_byte,
     every_e4m3_byte,
     fp4_tie_inputs,
     model_like,
+    poisoned,
     random_bits,
 )  # fmt: skip
 
@@ -81,8 +83,7 @@ def _assert_same(
     want_w, want_s = quant.requantize(weight, scale, src, dst, block, use_triton=False)
     got_w, got_s = quant.requantize(weight, scale, src, dst, block, use_triton=True)
     assert got_w.is_cuda and got_s.is_cuda
-    assert_bitwise_equal(_bytes(got_w), _bytes(want_w), f"{what}: weight")
-    assert_bitwise_equal(got_s, want_s, f"{what}: scale")
+    assert_same_result((got_w, got_s), (want_w, want_s), what)
 
 
 @pytest.mark.parametrize("std", [1e-6, 3e-2, 50.0, 2e4], ids=["tiny", "typical", "large", "huge"])
@@ -230,13 +231,7 @@ def test_every_bf16_value() -> None:
 def test_non_finite_input_is_detected_and_located(
     kernels: ModuleType, src: W, role: str, index: tuple[int, int, int], bad: float
 ) -> None:
-    weight, scale = _model_like(src, (3, 192, 256), 0.05, seed=9)
-    if role == "scale":
-        scale[index] = bad
-    elif src is W.BF16:
-        weight[index] = bad
-    else:
-        weight.view(torch.uint8)[index] = int(bad)
+    weight, scale = poisoned(src, role, index, bad, device="cuda")
     dsts = [d for s, d in PAIRS if s is src]
     for dst in dsts:
         _, _, flag = kernels.requantize_triton_async(weight, scale, src, dst)
