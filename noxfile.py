@@ -42,8 +42,9 @@ DOCS_DEPS = (
     "mkdocstrings==1.0.8",
     "mkdocstrings-python==2.0.11",
 )
-# The small-batch kernels in Triton's CPU interpreter (core/kernel_tests/): the H200's
-# Triton, and a numpy its interpreter runs on (it reads one-element arrays with int()).
+# The Triton kernels (small-batch experts, requantization) in Triton's CPU interpreter
+# (core/kernel_tests/): the H200's Triton, and a numpy its interpreter runs on (it reads
+# one-element arrays with int()).
 INTERPRETER_DEPS = ("triton==3.6.0", "numpy<2.4")
 GPU_TEST_MODULES = ("pytest",)  # what gpu_tests needs in the machine's own environment
 
