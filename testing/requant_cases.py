@@ -9,6 +9,7 @@ device, ``core/kernel_tests/test_requant_interpreted.py`` in Triton's CPU interp
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -200,3 +201,21 @@ def assert_same_result(
     for name, a, b in (("weight", got[0], want[0]), ("scale", got[1], want[1])):
         a_bytes, b_bytes = (t.view(torch.uint8) if t.element_size() == 1 else t for t in (a, b))
         assert_bitwise_equal(a_bytes, b_bytes, f"{what}: {name}")
+
+
+# A requantization under test: (weight, scale, src, dst, block) -> (weight, scale).
+Requantize = Callable[[torch.Tensor, Any, W, W, tuple[int, int]], tuple[torch.Tensor, torch.Tensor]]
+
+
+def assert_matches_torch(
+    requantize: Requantize,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None,
+    src: W,
+    dst: W,
+    what: str,
+    block: tuple[int, int] = (128, 128),
+) -> None:
+    """``requantize``'s result is the torch path's, byte for byte."""
+    want = quant.requantize(weight, scale, src, dst, block, use_triton=False)
+    assert_same_result(requantize(weight, scale, src, dst, block), want, what)

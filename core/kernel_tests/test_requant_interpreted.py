@@ -11,6 +11,8 @@ run both encoders). Without the conftest's rounding, the FP8 targets' bits diffe
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -37,74 +39,80 @@ def kernels(gpu_like_interpreter: ModuleType) -> ModuleType:
     return requant_triton
 
 
-def assert_same(
-    kernels: ModuleType,
-    weight: torch.Tensor,
-    scale: torch.Tensor | None,
-    src: W,
-    dst: W,
-    what: str,
-    block: tuple[int, int] = (128, 128),
-    **config: Any,
-) -> None:
-    """The kernels' result (launch ``config`` over the defaults) equals the torch path's."""
-    want_w, want_s = quant.requantize(weight, scale, src, dst, block, use_triton=False)
-    cfg = kernels.KernelConfig(**{**vars(kernels.default_config(src, dst)), **config})
-    got_w, got_s, flag = kernels.requantize_triton_async(weight, scale, src, dst, block, config=cfg)
-    assert int(flag) == 0, f"{what}: non-finite flag set"
-    cases.assert_same_result((got_w, got_s), (want_w, want_s), what)
+def launched(kernels: ModuleType, **config: Any) -> cases.Requantize:
+    """The kernels' launch (``config`` over the default launch shape), its flag checked."""
+
+    def requantize(*call: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        src, dst = call[2], call[3]
+        cfg = kernels.KernelConfig(**{**vars(kernels.default_config(src, dst)), **config})
+        got_w, got_s, flag = kernels.requantize_triton_async(*call, config=cfg)
+        assert int(flag) == 0, f"{src.value}->{dst.value}: non-finite flag set"
+        return got_w, got_s
+
+    return requantize
+
+
+@pytest.fixture(scope="module")
+def assert_same(kernels: ModuleType) -> Callable[..., None]:
+    """``assert_matches_torch`` of the kernels' default launch."""
+    return functools.partial(cases.assert_matches_torch, launched(kernels))
 
 
 @pytest.mark.parametrize("std", [1e-6, 2e4], ids=["tiny", "huge"])
 @pytest.mark.parametrize("src, dst", cases.PAIRS, ids=cases.PAIR_IDS)
-def test_model_like_weights(kernels: ModuleType, src: W, dst: W, std: float) -> None:
+def test_model_like_weights(assert_same: Callable[..., None], src: W, dst: W, std: float) -> None:
     weight, scale = cases.model_like(src, SHAPE, std, seed=7, device="cpu")
-    assert_same(kernels, weight, scale, src, dst, f"{src.value}->{dst.value} std={std}")
+    assert_same(weight, scale, src, dst, f"{src.value}->{dst.value} std={std}")
 
 
 @pytest.mark.parametrize("src, dst", cases.PAIRS, ids=cases.PAIR_IDS)
-def test_random_bit_patterns_on_a_persistent_grid(kernels: ModuleType, src: W, dst: W) -> None:
+def test_random_bit_patterns_on_a_persistent_grid(
+    kernels: ModuleType, assert_same: Callable[..., None], src: W, dst: W
+) -> None:
     """Random encodings, once with a program per tile, once with two programs looping."""
     weight, scale = cases.random_bits(src, (2, 256, 320), seed=1, device="cpu")
     what = f"{src.value}->{dst.value} random bits"
-    assert_same(kernels, weight, scale, src, dst, what)
-    assert_same(kernels, weight, scale, src, dst, f"{what}, persistent", programs_per_sm=2)
+    assert_same(weight, scale, src, dst, what)
+    persistent = launched(kernels, programs_per_sm=2)
+    cases.assert_matches_torch(persistent, weight, scale, src, dst, f"{what}, persistent")
 
 
 @pytest.mark.parametrize("dst", [W.MXFP8, W.MXFP4, W.FP8_BLOCK], ids=lambda f: f.value)
-def test_edge_case_rows(kernels: ModuleType, dst: W) -> None:
+def test_edge_case_rows(assert_same: Callable[..., None], dst: W) -> None:
     for case in cases.EDGE_ROWS:
         x = cases.edge_case_rows(case)
-        assert_same(kernels, x, None, W.BF16, dst, case, block=(1, 32))
-        assert_same(kernels, x.repeat(1, 32, 4), None, W.BF16, dst, f"{case} in 128x128 blocks")
+        assert_same(x, None, W.BF16, dst, case, block=(1, 32))
+        assert_same(x.repeat(1, 32, 4), None, W.BF16, dst, f"{case} in 128x128 blocks")
 
 
 @pytest.mark.parametrize("src", [W.BF16, W.MXFP8, W.FP8_BLOCK], ids=lambda f: f.value)
-def test_fp4_ties_round_to_even(kernels: ModuleType, src: W) -> None:
+def test_fp4_ties_round_to_even(
+    kernels: ModuleType, assert_same: Callable[..., None], src: W
+) -> None:
     """Sources that hold the ties exactly, at several scales: Triton == torch == the table."""
     weight, scale, exps = cases.fp4_tie_inputs(src)
-    assert_same(kernels, weight, scale, src, W.MXFP4, f"{src.value} ties", block=(1, 32))
+    assert_same(weight, scale, src, W.MXFP4, f"{src.value} ties", block=(1, 32))
     got_w, got_s, _ = kernels.requantize_triton_async(weight, scale, src, W.MXFP4, (1, 32))
     assert quant.unpack_e2m1(got_w)[:, 0, :15].tolist() == [cases.FP4_TIE_CODES] * 8
     assert got_s.flatten().tolist() == exps.tolist()
 
 
 @pytest.mark.parametrize("exponent", [1, 127, 245])
-def test_every_e4m3_and_e2m1_byte(kernels: ModuleType, exponent: int) -> None:
+def test_every_e4m3_and_e2m1_byte(assert_same: Callable[..., None], exponent: int) -> None:
     weight, scale, block_scale = cases.every_e4m3_byte(exponent)
     for dst in (W.MXFP4, W.FP8_BLOCK):
-        assert_same(kernels, weight, scale, W.MXFP8, dst, f"E4M3 bytes, 2^{exponent - 127}")
+        assert_same(weight, scale, W.MXFP8, dst, f"E4M3 bytes, 2^{exponent - 127}")
     for dst in (W.MXFP8, W.MXFP4):
-        assert_same(kernels, weight, block_scale, W.FP8_BLOCK, dst, f"E4M3 bytes, {exponent}")
+        assert_same(weight, block_scale, W.FP8_BLOCK, dst, f"E4M3 bytes, {exponent}")
     packed, scale = cases.every_e2m1_byte(exponent)
     for dst in (W.MXFP8, W.FP8_BLOCK):
-        assert_same(kernels, packed, scale, W.MXFP4, dst, f"E2M1 bytes, 2^{exponent - 127}")
+        assert_same(packed, scale, W.MXFP4, dst, f"E2M1 bytes, 2^{exponent - 127}")
 
 
-def test_every_bf16_value(kernels: ModuleType) -> None:
+def test_every_bf16_value(kernels: ModuleType, assert_same: Callable[..., None]) -> None:
     x = cases.every_bf16_value()
     for dst in (W.MXFP8, W.MXFP4, W.FP8_BLOCK):
-        assert_same(kernels, x, None, W.BF16, dst, f"every bf16 value -> {dst.value}")
+        assert_same(x, None, W.BF16, dst, f"every bf16 value -> {dst.value}")
 
 
 # numpy warns where the kernels compute with the NaN or inf (the GPU computes silently)

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 from bitcheck import assert_bitwise_equal, relative_error
+from tile_forcing import force_tiles
 
 from megamoe.core.backends.deepgemm_layout import L1_ROW_ORDER
 from megamoe.core.loading.pairing import SHARD_GATE, SHARD_UP
@@ -194,8 +195,7 @@ def test_every_tile_shape_gives_the_same_bits(
     expected = call.forward(experts, x, None, weights, ids.masked_fill(~local, -1))
     results = {}
     for name in ("DECODE_TILES", "MIDSIZE_TILES", "BATCH_TILES"):
-        forced = getattr(kernels, name)
-        monkeypatch.setattr(kernels, "tiles_for", lambda *call_shape, tiles=forced: tiles)
+        force_tiles(monkeypatch, kernels, name)
         results[name] = call.forward(experts, x, None, weights, ids)
     monkeypatch.setattr(call, "_sms", 4)
     results["DECODE_TILES waiting per expert"] = call.forward(experts, x, None, weights, ids)

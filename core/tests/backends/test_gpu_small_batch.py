@@ -17,6 +17,7 @@ import torch
 from bitcheck import assert_bitwise_equal, relative_error
 from graph_check import replayed_output
 from memory import canonical_bytes, resident_bytes
+from tile_forcing import force_tiles
 
 from megamoe.core.backends.deepgemm import DeepGemmBackend
 from megamoe.core.backends.small_batch import KERNEL_MODULE
@@ -217,13 +218,6 @@ def batch_layer(
     return cache[(shape, backend)]
 
 
-def force_tiles(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
-    """Every call of the kernels takes the tile shape ``name`` (a constant of the module)."""
-    kernels = importlib.import_module(KERNEL_MODULE)
-    tiles = getattr(kernels, name)
-    monkeypatch.setattr(kernels, "tiles_for", lambda tokens, top_k, num_experts: tiles)
-
-
 @pytest.mark.parametrize("tiles", BATCH_TILE_SHAPES)
 @pytest.mark.parametrize("shape", ["qwen4exp", "glm53flash"])
 @pytest.mark.parametrize("mode", ["uniform", "one"])
@@ -237,7 +231,7 @@ def test_the_batch_tiles_match_the_emulating_reference(
     """From 512 tokens: 32-token expert tiles, 128-column l2 tiles (their own TMA
     descriptor), in the decode grid (a program loops over its expert's tiles) or taken by
     persistent programs; every token on one expert gives that expert 19 tiles."""
-    force_tiles(monkeypatch, tiles)
+    force_tiles(monkeypatch, importlib.import_module(KERNEL_MODULE), tiles)
     small = batch_layer(batch_layers, shape, "deepgemm")
     assert small.backend.path_for(small, BATCH_TOKENS) == "small_batch"
     x, weights, ids = routing(shape, BATCH_TOKENS, seed=9, mode=mode)
@@ -254,7 +248,7 @@ def test_a_batch_graph_replay_gives_the_eager_bits(
     batch_layers: dict[tuple[str, str], MegaMoEExperts],
     tiles: str,
 ) -> None:
-    force_tiles(monkeypatch, tiles)
+    force_tiles(monkeypatch, importlib.import_module(KERNEL_MODULE), tiles)
     small = batch_layer(batch_layers, "qwen4exp", "deepgemm")
     x, weights, ids = routing("qwen4exp", BATCH_TOKENS, seed=13)
     eager = small(x, weights, ids)
@@ -301,7 +295,7 @@ def test_every_tile_shape_and_grouping_gives_the_same_bits(
     assert kernels.tiles_for(tokens, call.top_k, call.num_experts) is kernels.BATCH_TILES
     persistent = call.forward(weights, x, None, topk_weights, ids)
     for tiles in ("MIDSIZE_TILES", "DECODE_TILES"):
-        force_tiles(monkeypatch, tiles)
+        force_tiles(monkeypatch, kernels, tiles)
         got = call.forward(weights, x, None, topk_weights, ids)
         assert_bitwise_equal(got, persistent, f"{mode} {tiles}")
         assert int(call._l1_done.count_nonzero()) == 0

@@ -16,6 +16,7 @@ on the GPU, the default launch configurations, the public ``quant.requantize`` p
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 from typing import Any
 
@@ -29,7 +30,7 @@ from requant_cases import (
     PAIRS,
     POISON,
     W,
-    assert_same_result,
+    assert_matches_torch,
     edge_case_rows,
     every_bf16_value,
     every_e2m1_byte,
@@ -72,18 +73,15 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
-def _assert_same(
-    weight: torch.Tensor,
-    scale: torch.Tensor | None,
-    src: W,
-    dst: W,
-    what: str,
-    block: tuple[int, int] = (128, 128),
-) -> None:
-    want_w, want_s = quant.requantize(weight, scale, src, dst, block, use_triton=False)
-    got_w, got_s = quant.requantize(weight, scale, src, dst, block, use_triton=True)
-    assert got_w.is_cuda and got_s.is_cuda
-    assert_same_result((got_w, got_s), (want_w, want_s), what)
+def _public_triton_path(
+    weight: torch.Tensor, scale: Any, src: W, dst: W, block: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    got = quant.requantize(weight, scale, src, dst, block, use_triton=True)
+    assert got[0].is_cuda and got[1].is_cuda
+    return got
+
+
+_assert_same = functools.partial(assert_matches_torch, _public_triton_path)
 
 
 @pytest.mark.parametrize("std", [1e-6, 3e-2, 50.0, 2e4], ids=["tiny", "typical", "large", "huge"])
