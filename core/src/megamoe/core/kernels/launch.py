@@ -14,6 +14,10 @@ Integer arguments whose value class could change between calls (1, multiples of 
 be ``do_not_specialize`` in the kernel. The direct path is taken only in eager mode, with no
 Triton launch hook installed; under ``torch.compile`` (dynamo traces the JIT call as a
 user-defined Triton kernel) and with hooks (profilers) every call goes through the JIT.
+
+The grids' host-side arithmetic is :func:`cdiv` and :func:`next_power_of_2` here, on plain
+ints: Triton 3.6's ``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr functions
+that unwrap their arguments on every call, 10-12 us each on the CI machine's cores.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import triton
 from triton import knobs
 from triton.runtime.jit import JITFunction
 
-__all__ = ["DIRECT_LAUNCH", "KernelLaunch", "eager_key"]
+__all__ = ["DIRECT_LAUNCH", "KernelLaunch", "cdiv", "eager_key", "next_power_of_2"]
 
 ALIGNMENT = 16  # bytes: Triton specializes pointers divisible by 16
 # The direct launch makes the JIT's own call of a compiled kernel's launcher: (grid x3,
@@ -37,6 +41,16 @@ _VERIFIED = ((3, 4), (3, 9))
 DIRECT_LAUNCH = (
     _VERIFIED[0] <= tuple(int(p) for p in triton.__version__.split(".")[:2]) <= _VERIFIED[1]
 )
+
+
+def cdiv(numerator: int, denominator: int) -> int:
+    """``numerator / denominator`` rounded up (``triton.cdiv`` without its call overhead)."""
+    return -(-numerator // denominator)
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of two at least ``n`` (1 for ``n`` <= 1), as ``triton.next_power_of_2``."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def _hooked() -> bool:

@@ -21,11 +21,11 @@ import math
 from functools import cache
 
 import torch
-import triton
 from torch import Tensor
 from triton import knobs
 
 from megamoe.core.errors import NonFiniteError
+from megamoe.core.kernels.launch import cdiv, next_power_of_2
 from megamoe.core.kernels.requant_block import requant_to_block_kernel
 from megamoe.core.kernels.requant_codecs import (
     SRC_FLOAT,
@@ -253,7 +253,7 @@ def requantize_triton_async(
         kernel = requant_to_block_kernel
     else:
         rows = math.gcd(cfg.rows, block[0]) if src is WeightFormat.FP8_BLOCK else cfg.rows
-        groups = min(cfg.groups, triton.next_power_of_2(-(-k // quant.MX_GROUP)))
+        groups = min(cfg.groups, next_power_of_2(cdiv(k, quant.MX_GROUP)))
         tiles_n, tiles_k = -(-n // rows), -(-k // (32 * groups))
         grid_tiles = matrices * tiles_n * tiles_k
         s_stride = -(-k // block[1]) if src is WeightFormat.FP8_BLOCK else -(-k // quant.MX_GROUP)

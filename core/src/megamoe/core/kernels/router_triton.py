@@ -69,7 +69,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from megamoe.core.kernels.launch import ALIGNMENT, KernelLaunch, eager_key
+from megamoe.core.kernels.launch import ALIGNMENT, KernelLaunch, cdiv, eager_key, next_power_of_2
 from megamoe.core.numerics.dispatch import DISPATCH_AMAX_FLOOR, DISPATCH_GROUP, DispatchBuffer
 from megamoe.core.numerics.quant import E4M3_MAX
 from megamoe.core.numerics.router_logits import PLANES, router_logits
@@ -542,7 +542,7 @@ def ticket_buffer(max_num_tokens: int, device: torch.device | str | None) -> tor
     Two counters, then one ticket per 16-token block. Every launch leaves them zero again.
     One call at a time per buffer (one stream).
     """
-    blocks = triton.cdiv(max(max_num_tokens, 1), BLOCK_T)
+    blocks = cdiv(max(max_num_tokens, 1), BLOCK_T)
     return torch.zeros(COUNTERS + blocks, dtype=torch.int32, device=device)
 
 
@@ -719,7 +719,7 @@ class TritonRouter:
         """
         shape = self._shape(tokens)
         per_group = self.num_experts // self.n_group
-        block_g, block_j = triton.next_power_of_2(self.n_group), triton.next_power_of_2(per_group)
+        block_g, block_j = next_power_of_2(self.n_group), next_power_of_2(per_group)
         entries = block_g * block_j  # one token's selection entries
         sel_rows = max(1, min(shape.rows, shape.select_entries // entries))
         block_h = shape.block_h if weight == WEIGHT_BF16 else shape.block_h // 2
@@ -731,12 +731,12 @@ class TritonRouter:
             # Few tiles: split the hidden size too, so that about ``shape.programs`` tiles
             # share the weight's read.
             rows = shape.rows
-            blocks = triton.cdiv(tokens, rows)
-            column_tiles = triton.cdiv(self.num_experts, shape.cols)
-            chunks = triton.cdiv(hidden, block_h)
+            blocks = cdiv(tokens, rows)
+            column_tiles = cdiv(self.num_experts, shape.cols)
+            chunks = cdiv(hidden, block_h)
             wanted = max(1, min(MAX_SPLITS, shape.programs // (blocks * column_tiles), chunks))
-            split_size = triton.cdiv(chunks, wanted) * block_h
-            splits = triton.cdiv(hidden, split_size)
+            split_size = cdiv(chunks, wanted) * block_h
+            splits = cdiv(hidden, split_size)
             grid = (blocks * column_tiles * splits, 1, 1)
         split_k = splits > 1
         values = {
@@ -756,9 +756,9 @@ class TritonRouter:
             "SCALE": float(self.routed_scaling_factor),
             "BLOCK_G": block_g,
             "BLOCK_J": block_j,
-            "BLOCK_K": triton.next_power_of_2(self.top_k),
+            "BLOCK_K": next_power_of_2(self.top_k),
             "SEL_ROWS": sel_rows,
-            "E_PAD": triton.next_power_of_2(self.num_experts),
+            "E_PAD": next_power_of_2(self.num_experts),
             "ROWS": rows,
             "COLS": shape.cols,
             "DISPATCH": dispatch,
@@ -783,7 +783,7 @@ class TritonRouter:
         plan = self._plans.get(by_size)
         if plan is None:
             shape = self._shape(tokens)
-            blocks = triton.cdiv(tokens, shape.rows)
+            blocks = cdiv(tokens, shape.rows)
             by_blocks = (shape, blocks, hidden, weight, given, dispatch)
             plan = self._shared_plans.get(by_blocks)
             if plan is None:
@@ -805,7 +805,7 @@ class TritonRouter:
             ends = [s.min_tokens - 1 for s in self.shapes[shape_index + 1 :]] + [fused]
             first, last = shape.min_tokens, min(ends[0], fused)
             # The largest call of each token-block count from ``first`` to ``last``.
-            for blocks in range(triton.cdiv(first, shape.rows), triton.cdiv(last, shape.rows) + 1):
+            for blocks in range(cdiv(first, shape.rows), cdiv(last, shape.rows) + 1):
                 tokens = min(blocks * shape.rows, last)
                 for kind in (WEIGHT_BF16, WEIGHT_FP32, WEIGHT_PLANES):
                     splits = self._plan(tokens, hidden, kind, 0, False).splits
@@ -1137,7 +1137,7 @@ class TritonRouter:
         weights, ids = self._outputs(given, filled)
         hidden = 1 if source is given else source.shape[1]
         plan = self._cached_plan(1, hidden, WEIGHT_BF16, planes, filled is not None)
-        programs = triton.cdiv(tokens, plan.rows)
+        programs = cdiv(tokens, plan.rows)
         if filled is not None:  # programs past the rows only cast: spread the cast wider
             programs = max(programs, SPLIT_PROGRAMS)
         grid = (programs, 1, 1)

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from megamoe.core.kernels.launch import KernelLaunch, eager_key
+from megamoe.core.kernels.launch import KernelLaunch, cdiv, eager_key, next_power_of_2
 
 __all__ = ["bf16_limit", "swiglu_rows"]
 
@@ -88,10 +88,10 @@ def swiglu_rows(gate_up: torch.Tensor, limit: float | None) -> torch.Tensor:
     rows = out.numel() // max(intermediate, 1)
     if rows == 0 or intermediate == 0:
         return out
-    block = min(MAX_BLOCK, triton.next_power_of_2(intermediate))
+    block = min(MAX_BLOCK, next_power_of_2(intermediate))
     constexprs = (intermediate, limit is not None, 0.0 if limit is None else limit, block)
     _launch(
-        eager_key(constexprs, gate_up), (rows, triton.cdiv(intermediate, block), 1),
+        eager_key(constexprs, gate_up), (rows, cdiv(intermediate, block), 1),
         gate_up.device.index, (gate_up, out), constexprs, 4,
     )  # fmt: skip
     return out
