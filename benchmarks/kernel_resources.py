@@ -12,11 +12,12 @@ shape (grouped pairs, the tiles' warps and stages), with
 - ``fit``: programs one SM holds at once, the least of what its 65536 registers (allocated
   per warp in steps of 256), its 228 KB of shared memory (1 KB reserved per program) and
   its 64 warps allow;
-- ``launched``: programs per SM the persistent tiles start (``L1_PROGRAMS_PER_SM``,
-  ``L2_PROGRAMS_PER_SM``), where more than ``fit`` start only as others end.
+- ``launched``: programs per SM the persistent tiles start (``Tiles.l1_per_sm``,
+  ``Tiles.l2_per_sm``), where more than ``fit`` start only as others end.
 
     python benchmarks/kernel_resources.py --json resources.json
     python benchmarks/kernel_resources.py --tiles BATCH_TILES:block_m=64,stages=4
+    python benchmarks/kernel_resources.py --tiles BATCH_TILES:l2_per_sm=4
 
 Run it without ``TRITON_INTERPRET`` (the interpreter compiles nothing).
 """
@@ -150,7 +151,6 @@ def programs_per_sm(regs: int, smem: int, warps: int) -> int:
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     args = parse(argv)
     cuobjdump = str(Path(triton.__path__[0]) / "backends" / "nvidia" / "bin" / "cuobjdump")
-    launched = {"l1": kernels.L1_PROGRAMS_PER_SM, "l2": kernels.L2_PROGRAMS_PER_SM}
     rows: list[dict[str, Any]] = []
     print(format_table(COLUMNS, []), flush=True)
     for layer in args.layers.split(","):
@@ -159,11 +159,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             for kernel, compiled in compiled_kernels(tiles, layer).items():
                 regs, stack = resources(compiled, cuobjdump)
                 smem, stages = compiled.metadata.shared, compiled.metadata.num_stages
+                launched = getattr(tiles, f"{kernel}_per_sm") if tiles.persistent else "-"
                 rows.append({
                     "layer": layer, "tiles": name, "kernel": kernel, "warps": tiles.warps,
                     "stages": stages, "regs": regs, "stack": stack, "smem": smem,
                     "fit": programs_per_sm(regs, smem, tiles.warps),
-                    "launched": str(launched[kernel]) if tiles.persistent else "-",
+                    "launched": str(launched),
                 })  # fmt: skip
                 print(format_table(COLUMNS, [[rows[-1][c] for c, _ in COLUMNS]]).splitlines()[-1],
                       flush=True)  # fmt: skip

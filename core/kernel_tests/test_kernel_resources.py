@@ -4,9 +4,9 @@
 for both real layers, as the experts path launches them (Triton's wheel carries ``ptxas``),
 in a process of its own: this folder's runs interpret the kernels, which compiles nothing.
 A kernel that spills registers to its stack, or persistent programs of which an SM holds
-fewer than the ``*_PROGRAMS_PER_SM`` it starts (the rest start only as others end, late for
-their share of the items), would be slow on the GPU with the same bits: what only a
-benchmark on the GPU would otherwise show.
+fewer than the ``Tiles.l1_per_sm`` or ``l2_per_sm`` it starts (the rest start only as
+others end, late for their share of the items), would be slow on the GPU with the same
+bits: what only a benchmark on the GPU would otherwise show.
 """
 
 from __future__ import annotations
@@ -65,6 +65,8 @@ def test_a_tile_shape_is_named_with_the_fields_it_changes(
     name, tiles = kernel_resources.tile_shape("BATCH_TILES:block_m=64,stages=4,pdl=True")
     expected = dataclasses.replace(kernels.BATCH_TILES, block_m=64, stages=4, pdl=True)
     assert (name, tiles) == ("BATCH_TILES:block_m=64,stages=4,pdl=True", expected)
+    _, tiles = kernel_resources.tile_shape("BATCH_TILES:l1_per_sm=1,l2_per_sm=4")
+    assert (tiles.l1_per_sm, tiles.l2_per_sm) == (1, 4)
     with pytest.raises(SystemExit, match="'NOPE' is no tile shape"):
         kernel_resources.tile_shape("NOPE")
     with pytest.raises(SystemExit, match="Tiles has no field 'block_k'"):

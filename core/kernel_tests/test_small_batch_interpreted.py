@@ -181,9 +181,10 @@ def test_every_tile_shape_gives_the_same_bits(
     mode: str,
 ) -> None:
     """The three tile shapes, forced at 128 tokens (every first slot on expert 3 gives it 128
-    pairs: 4 tiles of 32, 8 of 16), and the decode grid again with l2 waiting per expert
-    (4 SMs: l1's programs no longer run at once); a quarter of the experts are another
-    rank's (ids 0-3), skipped; the per-expert counts are zero after every call."""
+    pairs: 4 tiles of 32, 8 of 16); then on 4 SMs the persistent programs again (each takes
+    many items in turn) and the decode grid with l2 waiting per expert (l1's programs no
+    longer run at once); a quarter of the experts are another rank's (ids 0-3), skipped;
+    the per-expert counts are zero after every call."""
     kernels = gpu_like_interpreter
     first = EXPERTS // 4
     experts = kernel_weights(kernels, references[(10.0, True)], first)
@@ -198,6 +199,8 @@ def test_every_tile_shape_gives_the_same_bits(
         force_tiles(monkeypatch, kernels, name)
         results[name] = call.forward(experts, x, None, weights, ids)
     monkeypatch.setattr(call, "_sms", 4)
+    results["BATCH_TILES, 8 l1 and 12 l2 programs"] = call.forward(experts, x, None, weights, ids)
+    force_tiles(monkeypatch, kernels, "DECODE_TILES")
     results["DECODE_TILES waiting per expert"] = call.forward(experts, x, None, weights, ids)
     for name, got in results.items():
         assert_bitwise_equal(got, expected, f"{mode}: {name}")

@@ -21,7 +21,7 @@ while the launch before it runs, and wait for it only before reading what it wro
    took 105 us; spread, 33);
 2. **l1** (a program per active expert and 64 intermediate columns; from 512 tokens, once
    an expert holds more than ``MIDSIZE_PAIRS_PER_EXPERT`` pairs on average,
-   ``L1_PROGRAMS_PER_SM`` persistent programs per SM, each taking (expert tile, 64 columns)
+   ``Tiles.l1_per_sm`` persistent programs per SM, each taking (expert tile, 64 columns)
    items in turn): the gate and up rows
    of the block-FP8 ``w13`` (stored with gate and up rows interleaved in groups of 8,
    ``l1_order``) against the expert's tokens, 128x128 float32 block scales, SwiGLU with the
@@ -71,7 +71,7 @@ from triton.language.extra import libdevice
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megamoe.core.kernels.launch import KernelLaunch, eager_key
+from megamoe.core.kernels.launch import KernelLaunch, cdiv, eager_key, next_power_of_2
 from megamoe.core.kernels.requant_codecs import ceil_ue8m0_exponent, ue8m0_reciprocal
 
 __all__ = [
@@ -112,18 +112,27 @@ _ACT_AMAX_FLOOR = tl.constexpr(ACT_AMAX_FLOOR)
 
 @dataclass(frozen=True)
 class Tiles:
-    """One call size's tiles: tokens per tile, l2's output columns, warps, stages, l2 step.
+    """One call size's tiles: their shapes, pipelining, launches and grids.
+
+    ``block_m``: (token, slot) pairs per tile; ``block_n2``: l2's output columns per
+    program; ``warps`` and ``stages``: each program's (l2's stages: ``l2_stages``).
 
     ``l2_step``: groups of 64 intermediate columns each l2 loop step loads, their loads
     issued together (with 2, a ``w2`` row's 64-byte pieces are read as 128-byte ones).
     ``pdl``: every launch after the call's first is a programmatic dependent launch (l2
     finds its expert while l1 streams; the next launch starts as soon as each program of
     this one has begun its main loop).
-    ``persistent``: l1 and l2 run ``L1_PROGRAMS_PER_SM`` and ``L2_PROGRAMS_PER_SM`` programs
-    per SM, each taking every so many of the call's (expert tile, column tile) items in
-    turn, in place of one program per active expert and column tile.
+    ``persistent``: l1 and l2 run ``l1_per_sm`` and ``l2_per_sm`` programs per SM, each
+    taking every so many of the call's (expert tile, column tile) items in turn, in place of
+    one program per active expert and column tile.
     ``spread``: the grouping of the pairs by expert is spread over counting programs and a
     place launch (one program per ``COUNT_BLOCK`` pairs each), in place of one program.
+    ``l1_per_sm``: l1 programs one SM runs at once (what its shared memory holds: 5 stages
+    of 20 KB hold two). The persistent grids start this many per SM; in the decode grids,
+    l2 waits per expert where l1 has more programs than that (more than one wave).
+    ``l2_per_sm``: persistent l2 programs per SM (three streamed best, 2026-12-04,
+    docs/gpu.md). A program that does not fit starts only when another ends, late for its
+    share of the items.
     """
 
     block_m: int
@@ -134,6 +143,8 @@ class Tiles:
     pdl: bool
     persistent: bool
     spread: bool
+    l1_per_sm: int = 2
+    l2_per_sm: int = 3
 
 
 DECODE_TILES = Tiles(
@@ -153,11 +164,6 @@ BATCH_TILES = Tiles(
 # program would stream after the first), the persistent programs past it (docs/gpu.md).
 MIDSIZE_PAIRS_PER_EXPERT = 24
 ALL_TILES = (DECODE_TILES, MIDSIZE_TILES, BATCH_TILES)
-# Persistent programs per SM (what fits at once: l1's 5 stages of 20 KB hold two; three l2
-# programs streamed best, 2026-12-04, docs/gpu.md). A program that does not fit starts only
-# when another ends, late for its share of the items.
-L1_PROGRAMS_PER_SM = 2
-L2_PROGRAMS_PER_SM = 3
 # Up to this many (token, slot) pairs, when the router already wrote the FP8 tokens, the l1
 # and l2 programs find their expert's pairs by scanning the ids: no route launch at all.
 SCAN_PAIRS = 64
@@ -1019,7 +1025,7 @@ class SmallBatchExperts:
             3 * num_experts + 2 + 2 * pairs + expert_tiles, dtype=torch.int32, device=device
         )
         self._block_counts = torch.empty(
-            2 * triton.cdiv(pairs, COUNT_BLOCK) * num_experts, dtype=torch.int32, device=device
+            2 * cdiv(pairs, COUNT_BLOCK) * num_experts, dtype=torch.int32, device=device
         )
         self._sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._x_fp8 = torch.empty(max_tokens, hidden, dtype=torch.float8_e4m3fn, device=device)
@@ -1035,7 +1041,7 @@ class SmallBatchExperts:
         # them, the combine zeroes them): zero between calls
         self._l1_done = torch.zeros(num_experts, dtype=torch.int32, device=device)
         # The constexprs that the layer fixes, made once (eager calls pay host time per launch).
-        experts_pow2 = triton.next_power_of_2(num_experts)
+        experts_pow2 = next_power_of_2(num_experts)
         self._route_c = {
             (cast, tiles, group): (
                 num_experts, experts_pow2, hidden, cast, tiles.pdl, group,
@@ -1110,9 +1116,9 @@ class SmallBatchExperts:
         scan = pairs <= SCAN_PAIRS and not tiles.persistent
         if cast or not scan:  # FP8 tokens at scan sizes need no route launch at all
             route_c = self._route_c[(cast, tiles, not scan)]
-            casts = triton.cdiv(tokens, CAST_ROWS) * (self.hidden // SCALE_BLOCK) if cast else 0
+            casts = cdiv(tokens, CAST_ROWS) * (self.hidden // SCALE_BLOCK) if cast else 0
             # from 512 tokens the grouping is spread: counting programs, then the place launch
-            groups = triton.cdiv(pairs, COUNT_BLOCK) if tiles.spread else 1
+            groups = cdiv(pairs, COUNT_BLOCK) if tiles.spread else 1
             _route(
                 _key(route_c, topk_ids, hidden_states),
                 (groups + casts, 1, 1), index,
@@ -1155,19 +1161,19 @@ class SmallBatchExperts:
         l1_columns, l2_columns = self.intermediate // BLOCK_N1, self.hidden // tiles.block_n2
         if tiles.persistent:  # as many items as expert tiles of the call times column tiles
             most = most_expert_tiles(pairs, self.num_experts, tiles.block_m)
-            l1_grid = (min(most * l1_columns, self._sms * L1_PROGRAMS_PER_SM), 1, 1)
-            l2_grid = (min(most * l2_columns, self._sms * L2_PROGRAMS_PER_SM), 1, 1)
+            l1_grid = (min(most * l1_columns, self._sms * tiles.l1_per_sm), 1, 1)
+            l2_grid = (min(most * l2_columns, self._sms * tiles.l2_per_sm), 1, 1)
             scan_pairs = 16
         else:
             programs = pairs if scan else min(self.num_experts, pairs)
             l1_grid, l2_grid = (l1_columns, programs, 1), (l2_columns, programs, 1)
-            scan_pairs = max(16, triton.next_power_of_2(pairs)) if scan else 16
+            scan_pairs = max(16, next_power_of_2(pairs)) if scan else 16
         w13_desc = weights.descriptor("w13", (2 * BLOCK_N1, SCALE_BLOCK))
         w2_desc = weights.descriptor("w2", (tiles.block_n2, ACT_GROUP))
         # l2 waits for each expert's l1 programs (decode grids) where l1 runs in more than
         # one wave of the programs an SM holds (where all run at once they end together:
         # Qwen4-Exp and GLM-5.3-Flash at one token were 0.5% slower with it)
-        waves = l1_grid[0] * l1_grid[1] > self._sms * L1_PROGRAMS_PER_SM
+        waves = l1_grid[0] * l1_grid[1] > self._sms * tiles.l1_per_sm
         per_expert = tiles.pdl and not tiles.persistent and waves
         l1_c = (
             *self._l1_c, tiles.block_m, scan, scan_pairs, tiles.pdl, tiles.persistent, per_expert
@@ -1192,7 +1198,7 @@ class SmallBatchExperts:
         )  # fmt: skip
         combine_c = self._combine_c[(tiles.pdl, per_expert)]
         _combine(
-            _key(combine_c, topk_ids), (tokens, triton.cdiv(self.hidden, COMBINE_BLOCK), 1),
+            _key(combine_c, topk_ids), (tokens, cdiv(self.hidden, COMBINE_BLOCK), 1),
             index, (self._rows, topk_ids, out, self._l1_done, self.first_expert), combine_c, 4,
             None, tiles.pdl,
         )  # fmt: skip
