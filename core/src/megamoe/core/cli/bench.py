@@ -46,8 +46,9 @@ REQUANT_PAIRS = (
 BACKENDS = ("reference", "deepgemm")
 BANDWIDTH_PROBE_BYTES = 512 << 20  # 256 MiB read + 256 MiB written
 BENCH_SCRIPTS = ("bench_requant.py", "bench_forward.py", "bench_load.py")
-# This file in a source checkout: <root>/core/src/megamoe/core/cli/bench.py.
-SOURCE_ROOT = Path(__file__).resolve().parents[4]
+# This file's place in a source checkout (<root>/core/src/...); a wheel puts it elsewhere.
+CHECKOUT_PATH = Path("core", "src", "megamoe", "core", "cli", "bench.py")
+SOURCE_ROOT = Path(__file__).resolve().parents[len(CHECKOUT_PATH.parts) - 1]
 
 
 def shipped_bench_scripts() -> list[Path]:

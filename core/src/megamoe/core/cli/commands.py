@@ -14,6 +14,7 @@ import sys
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TextIO
 
 import torch
@@ -400,8 +401,13 @@ def run_bench(args: argparse.Namespace) -> int:
 def _run_scripts(
     scripts: Sequence[os.PathLike[str]], extra: Sequence[str], device: torch.device
 ) -> int:
-    """Each benchmark script on ``device`` (``CUDA_VISIBLE_DEVICES`` picks ``cuda:N``)."""
+    """Each benchmark script on ``device`` (``CUDA_VISIBLE_DEVICES`` picks ``cuda:N``).
+
+    The checkout's ``testing/`` helpers (which some scripts import) go on ``PYTHONPATH``.
+    """
     env = dict(os.environ)
+    helpers = {os.fspath(Path(script).parent.parent / "testing") for script in scripts}
+    env["PYTHONPATH"] = os.pathsep.join([*sorted(helpers), *filter(None, [env.get("PYTHONPATH")])])
     if device.index is not None:
         visible = env.get("CUDA_VISIBLE_DEVICES")
         ids = visible.split(",") if visible else [str(i) for i in range(device.index + 1)]
