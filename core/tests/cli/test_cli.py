@@ -163,8 +163,10 @@ def test_bench_runs_only_the_scripts_shipped_with_megamoe(
     (fake / "core").mkdir(parents=True)
     (fake / "core" / "pyproject.toml").write_text("")
     (fake / "benchmarks").mkdir()
+    (fake / "testing").mkdir()
+    (fake / "testing" / "helper.py").write_text("NAME = 'the checkout helper'\n")
     (fake / "benchmarks" / "bench_requant.py").write_text(
-        "import sys\nprint('requant', sys.argv[1:])\n"
+        "import sys\nfrom helper import NAME\nprint('requant', sys.argv[1:], NAME)\n"
     )
     (fake / "benchmarks" / "bench_load.py").write_text("raise SystemExit(3)\n")
     monkeypatch.setattr(bench, "SOURCE_ROOT", fake)
@@ -175,10 +177,23 @@ def test_bench_runs_only_the_scripts_shipped_with_megamoe(
         fake / "benchmarks" / "bench_load.py",
     ]
     assert cli.main(["bench", "--", "--quick"]) == 1  # bench_load.py failed
-    assert "requant ['--quick']" in capfd.readouterr().out
+    assert "requant ['--quick'] the checkout helper" in capfd.readouterr().out  # testing/ found
     assert not marker.exists()  # the current directory's script never ran
     monkeypatch.setattr(bench, "SOURCE_ROOT", tmp_path / "site-packages")  # an installed wheel
     assert bench.shipped_bench_scripts() == []
+
+
+def test_bench_finds_the_checkout_it_runs_from() -> None:
+    """From this checkout (an editable install) its three scripts; from a wheel none."""
+    module = Path(bench.__file__).resolve()
+    assert module.parts[-4:] == bench.CHECKOUT_PATH.parts[-4:]  # megamoe/core/cli/bench.py
+    checkout = Path(__file__).resolve().parents[3]
+    if module == checkout / bench.CHECKOUT_PATH:
+        assert checkout == bench.SOURCE_ROOT
+        expected = [checkout / "benchmarks" / name for name in bench.BENCH_SCRIPTS]
+    else:
+        expected = []
+    assert bench.shipped_bench_scripts() == expected
 
 
 @pytest.mark.parametrize(
@@ -507,9 +522,16 @@ def test_a_closed_output_pipe_ends_quietly(
     [
         (
             ["--arch", "sm100"],
-            "MegaMoE for every call (the small-batch path: it runs the Hopper kernel's",
+            "MegaMoE for every call (the small-batch path: it runs block-FP8 layers on Hopper "
+            "(kernel kind sm90_fp8), where --arch sm100 runs this layer on kernel kind ",
         ),
         (["--arch", "sm90", "--ep-size", "2"], "expert-parallel group has 2 (there MegaMoE"),
+        (
+            ["--arch", "sm100", "--ep-size", "2"],
+            "where --arch sm100 runs this layer on kernel kind fp8xfp8; it runs one rank, where "
+            "this layer's expert-parallel group has 2",
+        ),
+        (["--arch", "reference"], "where --arch reference runs this layer on the torch reference"),
     ],
 )
 def test_inspect_says_megamoe_takes_every_call_off_one_hopper_rank(

@@ -162,27 +162,32 @@ def layout_reason(kind: str, where: str, ranks: int, num_shared_experts: int) ->
     """Why a layer of this kernel kind, place and expert parallelism has no small-batch path.
 
     What ``megamoe inspect`` can tell from a checkpoint and a target; None where it has one.
+    Every reason that holds, joined, so that one change is never followed by another refusal.
 
     Args:
         kind: the DeepGEMM kernel kind the layer runs (``deepgemm.KERNEL_KINDS``).
-        where: the device or target the layer runs on (``cuda:0``, ``sm100``...), for the
-            message.
+        where: the device or target the layer runs on (``cuda:0``, ``--arch sm100``...),
+            for the message.
         ranks: expert-parallel ranks.
         num_shared_experts: shared experts fused into the routed experts' kernel.
     """
+    reasons = []
     if kind != KIND_SM90:
-        return (
-            f"it runs the Hopper kernel's block-FP8 layout (sm90_fp8); this layer runs {kind} "
-            f"on {where}"
+        runs = "on the torch reference backend" if kind == "reference" else f"on kernel kind {kind}"
+        reasons.append(
+            f"it runs block-FP8 layers on Hopper (kernel kind {KIND_SM90}), where {where} runs "
+            f"this layer {runs}"
         )
     if ranks > 1:
-        return (
-            f"it runs one rank; this layer's expert-parallel group has {ranks} (there "
+        reasons.append(
+            f"it runs one rank, where this layer's expert-parallel group has {ranks} (there "
             "MegaMoE's dispatch is the communication)"
         )
     if num_shared_experts:
-        return f"it runs routed experts only; this layer fuses {num_shared_experts} shared"
-    return None
+        reasons.append(
+            f"it runs routed experts only, where this layer fuses {num_shared_experts} shared"
+        )
+    return "; ".join(reasons) or None
 
 
 def unavailable_reason(experts: MegaMoEExperts, kind: str) -> str | None:

@@ -92,8 +92,8 @@ class CheckpointPlan:
         """
         experts, hidden, inter = self.dims
         reasons = {
-            p: layout_reason(KERNEL_KINDS.get((self.arch, p.run_format), "reference"), self.arch,
-                             self.ep_size, 0)
+            p: layout_reason(KERNEL_KINDS.get((self.arch, p.run_format), "reference"),
+                             f"--arch {self.arch}", self.ep_size, 0)
             for p in self.layers
         }  # fmt: skip
         small = [p for p, reason in reasons.items() if reason is None]
@@ -104,6 +104,12 @@ class CheckpointPlan:
         if tokens == 0:
             return "MegaMoE for every call (the rule predicts it faster at every size here)"
         layers = "every layer" if len(small) == len(self.layers) else f"{len(small)} layer(s)"
+        if tokens == EXPERTS_PATH_SCAN:
+            return (
+                f"small-batch kernels for every call up to the {tokens} tokens considered (the "
+                f"rule never predicts MegaMoE faster there; {layers}; experts_path='auto', "
+                "capped by the engine's max_num_tokens)"
+            )
         return (
             f"small-batch kernels for calls of up to {tokens} tokens, MegaMoE above "
             f"({layers}; experts_path='auto', capped by the engine's max_num_tokens)"

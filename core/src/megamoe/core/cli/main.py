@@ -163,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="megamoe",
         description="Checkpoint experts to DeepGEMM MegaMoE kernel weights.",
         epilog="Run 'megamoe <command> --help' for a command's options. Exit codes: 0 ok, "
-        "1 error or mismatch, 2 bad usage, 130 interrupted.",
+        "1 error or mismatch, 2 bad usage, 130 interrupted, 141 output pipe closed, "
+        "143 terminated.",
     )
     _global_flags(parser, top=True)
     parser.add_argument("--version", action="version", version=version_text())
