@@ -558,3 +558,17 @@ def test_inspect_gives_the_small_batch_crossover_on_one_hopper_rank(
     path = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("path"))
     assert "small-batch kernels for calls of up to 37 tokens, MegaMoE above (every layer" in path
     assert (seen[0].num_experts, seen[0].hidden, seen[0].intermediate) == (4, 256, 128)
+
+
+def test_inspect_says_when_the_rule_never_hands_a_call_to_megamoe(
+    checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A layer this small (4 experts of 256 x 128) is predicted faster on the small-batch
+    kernels at every size inspect considers: no crossover to state."""
+    from megamoe.core.cli import inspection
+
+    assert cli.main(["inspect", str(checkpoint), "--arch", "sm90"]) == 0
+    path = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("path"))
+    scan = inspection.EXPERTS_PATH_SCAN
+    assert f"small-batch kernels for every call up to the {scan} tokens considered (the" in path
+    assert "MegaMoE above" not in path
