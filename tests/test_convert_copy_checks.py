@@ -10,6 +10,7 @@ them), each refused naming the file and the tensor, with no output left behind.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -81,4 +82,28 @@ def test_a_tensor_copied_unchanged_is_checked(
     out = tmp_path / "out"
     with pytest.raises(error, match=message.format(shared=short.replace(".", r"\."))):
         convert_checkpoint(ckpt, out, "fp8_block", progress=False)  # every expert copied
+    assert not out.exists() and not list(tmp_path.glob("out.partial-*"))
+
+
+@pytest.mark.parametrize(("fmt", "byte"), [("mxfp8", 247), ("mxfp4", 253)])
+def test_an_mx_scale_whose_block_overflows_is_not_copied(
+    tmp_path: Path, fmt: str, byte: int
+) -> None:
+    """A finite UE8M0 byte that takes the format's largest element past float32 (448 or 6
+    times 2^(byte - 127)) decodes its block to infinity: loading refuses it, so does convert."""
+    adapter = ADAPTERS["qwen4exp"]  # MX checkpoints are Qwen's
+    ckpt = write_synthetic_checkpoint(
+        tmp_path / "ckpt", adapter, fmt, SIZES, max_shard_bytes=100_000
+    )
+    reader = CheckpointReader(ckpt, adapter)
+    tensor = f"{reader.layers[0].prefix}.experts.3.gate_proj.weight_scale"
+    shard = ckpt / json.loads((ckpt / INDEX_FILE).read_text())["weight_map"][tensor]
+    tensors = load_file(shard)
+    tensors[tensor] = tensors[tensor].clone()
+    tensors[tensor].view(torch.uint8).view(-1)[7] = byte
+    save_file(tensors, shard)
+    out = tmp_path / "out"
+    pattern = re.escape(f"{tensor} holds 1 non-finite value(s) (NaN/inf, or a scale")
+    with pytest.raises(NonFiniteError, match=pattern):
+        convert_checkpoint(ckpt, out, fmt, progress=False)  # every expert copied
     assert not out.exists() and not list(tmp_path.glob("out.partial-*"))

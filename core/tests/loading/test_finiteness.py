@@ -7,7 +7,8 @@ import torch
 
 from megamoe.core.errors import InvalidScaleError, NonFiniteError
 from megamoe.core.loading import finiteness
-from megamoe.core.loading.finiteness import NonFiniteLedger, count_nonfinite
+from megamoe.core.loading.finiteness import NonFiniteLedger, count_nonfinite, mx_scale_limit
+from megamoe.core.numerics.formats import WeightFormat
 
 E4M3_NAN_BYTES = (0x7F, 0xFF)
 
@@ -21,18 +22,36 @@ def _fp8(shape: tuple[int, ...], seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("tensor", "ue8m0", "count"),
+    ("tensor", "ue8m0_from", "count"),
     [
-        (torch.tensor([1.0, float("nan"), float("inf"), -float("inf")]), False, 3),
+        (torch.tensor([1.0, float("nan"), float("inf"), -float("inf")]), None, 3),
         (torch.tensor([0x7E, 0xFE, 0x7F, 0xFF], dtype=torch.uint8).view(torch.float8_e4m3fn),
-         False, 2),  # 0x7E = 448 and 0xFE = -448 are finite; 0x7F / 0xFF are NaN
-        (torch.tensor([254, 255, 0], dtype=torch.uint8), True, 1),
-        (torch.tensor([255, 0x77], dtype=torch.uint8), False, 0),  # packed E2M1: always finite
-        (torch.tensor([1.0, float("nan")], dtype=torch.bfloat16), False, 1),
+         None, 2),  # 0x7E = 448 and 0xFE = -448 are finite; 0x7F / 0xFF are NaN
+        (torch.tensor([254, 255, 0], dtype=torch.uint8), 255, 1),
+        (torch.tensor([246, 247, 0, 255], dtype=torch.uint8), 247, 2),
+        (torch.tensor([255, 0x77], dtype=torch.uint8), None, 0),  # packed E2M1: always finite
+        (torch.tensor([1.0, float("nan")], dtype=torch.bfloat16), None, 1),
     ],
 )  # fmt: skip
-def test_count_nonfinite(tensor: torch.Tensor, ue8m0: bool, count: int) -> None:
-    assert count_nonfinite(tensor, ue8m0=ue8m0) == count
+def test_count_nonfinite(tensor: torch.Tensor, ue8m0_from: int | None, count: int) -> None:
+    assert count_nonfinite(tensor, ue8m0_from=ue8m0_from) == count
+
+
+@pytest.mark.parametrize(
+    ("fmt", "element_max"), [(WeightFormat.MXFP8, 448.0), (WeightFormat.MXFP4, 6.0)]
+)
+def test_an_mx_scale_is_non_finite_from_the_byte_that_overflows_its_block(
+    fmt: WeightFormat, element_max: float
+) -> None:
+    """The format's largest element times 2^(byte - 127), in float32: finite below the limit,
+    infinite from it on (MXFP8 247, MXFP4 253); formats without UE8M0 scales have none."""
+    limit = mx_scale_limit(fmt)
+    assert limit is not None
+    scale = torch.tensor([limit - 1, limit], dtype=torch.int32).sub(127).float().exp2()
+    decoded = torch.tensor(element_max) * scale
+    assert torch.isfinite(decoded[0]) and torch.isinf(decoded[1])
+    assert count_nonfinite(torch.arange(256, dtype=torch.uint8), ue8m0_from=limit) == 256 - limit
+    assert mx_scale_limit(WeightFormat.FP8_BLOCK) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -63,9 +82,9 @@ def test_e4m3_counts_both_nan_encodings(nan_byte: int) -> None:
 
 def test_uint8_is_counted_only_as_ue8m0() -> None:
     codes = torch.arange(256, dtype=torch.uint8).reshape(16, 16)
-    assert count_nonfinite(codes, ue8m0=True) == 1  # byte 255 only
+    assert count_nonfinite(codes, ue8m0_from=255) == 1  # byte 255 only
     assert count_nonfinite(codes) == 0  # packed E2M1: always finite
-    assert count_nonfinite(torch.empty(0, 8, dtype=torch.uint8), ue8m0=True) == 0
+    assert count_nonfinite(torch.empty(0, 8, dtype=torch.uint8), ue8m0_from=255) == 0
 
 
 def test_immediate_ledger_raises_on_a_bad_cpu_tensor() -> None:
@@ -85,7 +104,7 @@ def test_deferred_ledger_names_every_bad_tensor_at_check() -> None:
     scale = torch.tensor([[127, 255, 255]], dtype=torch.uint8)
     ledger.record("expert 0 w1 weight", _fp8((8, 8), seed=3))
     ledger.record("expert 4 w3 weight", bits.view(torch.float8_e4m3fn))  # recorded, not read
-    ledger.record("expert 5 w2 weight_scale", scale, ue8m0=True)
+    ledger.record("expert 5 w2 weight_scale", scale, ue8m0_from=255)
     ledger.record_flag("expert 6 w1 weight x scale", torch.zeros(1, dtype=torch.int32))
     with pytest.raises(NonFiniteError) as info:
         ledger.check()

@@ -493,6 +493,13 @@ def test_weight_packed_is_the_mxfp4_weight():
          r"expert 1 down_proj.weight holds 256 non-finite value"),
         (WeightFormat.MXFP4, "weight_scale", lambda t: t.clone().fill_(255),
          r"expert 1 down_proj.weight_scale holds 2048 non-finite value"),
+        # finite scale bytes whose blocks overflow float32: 448 x 2^120, 6 x 2^126
+        (WeightFormat.MXFP8, "weight_scale",
+         lambda t: t.clone().index_fill_(1, torch.tensor([2]), 247),
+         r"expert 1 down_proj.weight_scale holds 256 non-finite value\(s\) \(NaN/inf, or a scale"),
+        (WeightFormat.MXFP4, "weight_scale",
+         lambda t: t.clone().index_fill_(0, torch.tensor([5]), 253),
+         r"expert 1 down_proj.weight_scale holds 8 non-finite value"),
         (WeightFormat.MXFP4, "weight", lambda t: t.T.contiguous(),
          r"expert 1 down_proj.weight has shape \(128, 256\), expected \(256, 128\)"),
     ],

@@ -61,7 +61,7 @@ from megamoe.core.checkpoint.shardfile import (
     read_tensor,
 )
 from megamoe.core.errors import CheckpointError, NonFiniteError, UsageError, note_source
-from megamoe.core.loading.finiteness import check_block_scales, count_nonfinite
+from megamoe.core.loading.finiteness import check_block_scales, count_nonfinite, mx_scale_limit
 from megamoe.core.numerics import quant
 from megamoe.core.numerics.formats import BLOCK_FP8_DEFAULT, WeightFormat
 from megamoe.core.numerics.mx_codes import UE8M0_DTYPES, as_ue8m0_bytes
@@ -132,9 +132,9 @@ class _Plan:
     files: dict[str, dict[str, tuple[tuple[int, int], TensorSpec]]]
     copies: list[tuple[str, str]] = field(default_factory=list)
     layers: list[tuple[MoELayer, list[_Projection]]] = field(default_factory=list)
-    # Expert tensors copied unchanged (routed and shared), checked as they are copied: no
-    # NaN or infinity, block-FP8 scales > 0, as loading checks them.
-    checked_copies: set[str] = field(default_factory=set)
+    # Expert tensors copied unchanged (routed and shared), by their stored format, checked as
+    # they are copied: no NaN or infinity, no scale whose block overflows, as loading checks.
+    checked_copies: dict[str, WeightFormat] = field(default_factory=dict)
     # Shared experts stored unlike the routed ones: they run apart, in their stored format,
     # online too, so they are copied as they are (offline equals online).
     stored_apart: list[str] = field(default_factory=list)
@@ -283,12 +283,16 @@ def _plan(reader: CheckpointReader, adapter: ModelAdapter, dst: WeightFormat) ->
                 plan.stored_apart.append(prefix)  # runs as a separate MLP: left as stored
             group = [] if apart else _group(reader, layer, prefix, dst, source)
             if not group:  # copied unchanged: still checked
-                plan.checked_copies |= {f"{prefix}.{rel}" for rel in reader.names_under(prefix)}
+                plan.checked_copies |= dict.fromkeys(
+                    (f"{prefix}.{rel}" for rel in reader.names_under(prefix)),
+                    layer.checkpoint_format,
+                )
             projections += group
         if shared is not None and shared.prefix not in adapter.expert_prefixes(layer):
-            plan.checked_copies |= {  # a shared MLP beside the experts (Qwen4Exp): copied
-                f"{shared.prefix}.{rel}" for rel in reader.names_under(shared.prefix)
-            }
+            plan.checked_copies |= dict.fromkeys(  # a shared MLP beside the experts (Qwen4Exp)
+                (f"{shared.prefix}.{rel}" for rel in reader.names_under(shared.prefix)),
+                shared.checkpoint_format,
+            )
         for proj in projections:
             rows, cols = proj.weight.shape[0], proj.weight.shape[1] * proj.src.values_per_byte
             spec_w, spec_s = projection_specs(dst, rows, cols, block)
@@ -407,7 +411,8 @@ def _write(
         for name, file in plan.copies:
             entry = headers[file][name]
             if name in plan.checked_copies:
-                _check_copied(read_tensor(fds[file], entry), f"{reader.path / file}: {name}")
+                what = f"{reader.path / file}: {name}"
+                _check_copied(read_tensor(fds[file], entry), what, plan.checked_copies[name])
             writers[file].copy(name, fds[file], entry)
             bar.update(entry.end - entry.begin)
         converted = 0
@@ -421,22 +426,30 @@ def _write(
     return total, converted
 
 
-def _check_copied(tensor: torch.Tensor, what: str) -> None:
+def _check_copied(tensor: torch.Tensor, what: str, fmt: WeightFormat) -> None:
     """Refuse an expert tensor copied unchanged that loading would refuse.
 
+    Args:
+        tensor: the stored tensor.
+        what: its file and name, for the message.
+        fmt: the stored format of the experts (or shared MLP) it belongs to.
+
     Raises:
-        NonFiniteError: NaN or infinity (an MX scale of 255 included).
+        NonFiniteError: NaN or infinity, or an MX scale whose block decodes to them.
         InvalidScaleError: a block-FP8 scale that is not > 0.
     """
     block_scale = what.endswith(f".{WeightFormat.FP8_BLOCK.scale_name}")
-    mx_scale = tensor.dtype in UE8M0_DTYPES and what.endswith(f".{WeightFormat.MXFP8.scale_name}")
-    if mx_scale:
+    limit = mx_scale_limit(fmt) if what.endswith(f".{fmt.scale_name}") else None
+    if limit is not None and tensor.dtype in UE8M0_DTYPES:
         tensor = as_ue8m0_bytes(tensor, what)
-    bad = count_nonfinite(tensor, ue8m0=mx_scale)
+    else:
+        limit = None
+    bad = count_nonfinite(tensor, ue8m0_from=limit)
     if bad:
         raise NonFiniteError(
-            f"{what} holds {bad} non-finite value(s) (NaN/inf); megamoe refuses to load it, "
-            "so convert does not copy it: fix the checkpoint"
+            f"{what} holds {bad} non-finite value(s) (NaN/inf, or a scale whose block "
+            "overflows float32); megamoe refuses to load it, so convert does not copy it: fix "
+            "the checkpoint"
         )
     if block_scale and tensor.is_floating_point():
         check_block_scales(tensor, what)

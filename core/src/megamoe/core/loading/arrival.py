@@ -42,7 +42,7 @@ class DeviceArrival:
         tensor: torch.Tensor,
         what: str,
         *,
-        ue8m0: bool,
+        ue8m0_from: int | None,
         block_scale: bool = False,
     ) -> dict[str, torch.Tensor] | None:
         """Copy one half to the device (once), count its NaN/inf there, pair it.
@@ -53,7 +53,8 @@ class DeviceArrival:
             kind: which half (a name ``pairing`` knows).
             tensor: the half, dtype and shape already checked.
             what: the tensor named for messages.
-            ue8m0: a ``uint8`` tensor holds UE8M0 exponents (255 = NaN).
+            ue8m0_from: a ``uint8`` tensor holds UE8M0 exponents, non-finite from this byte
+                on (``finiteness.mx_scale_limit``); None for any other half.
             block_scale: the half is a block-FP8 scale, which must also be > 0.
 
         Returns:
@@ -61,7 +62,7 @@ class DeviceArrival:
             one that waited beyond the budget) when this half completed it, else None.
         """
         moved = tensor.to(self.device)
-        self.ledger.record(what, moved, ue8m0=ue8m0)
+        self.ledger.record(what, moved, ue8m0_from=ue8m0_from)
         if block_scale:
             self.ledger.record_block_scale(what, moved)
         copied = moved.device != tensor.device or moved.data_ptr() != tensor.data_ptr()

@@ -45,6 +45,7 @@ from megamoe.core.checkpoint.expert_names import (
 from megamoe.core.errors import refuse_meta_tensor
 from megamoe.core.loading.arrival import DeviceArrival
 from megamoe.core.loading.expert_layout import ExpertLayout, Specs
+from megamoe.core.loading.finiteness import mx_scale_limit
 from megamoe.core.loading.l1_order import L1RowOrder
 from megamoe.core.loading.pairing import (
     PROJ_TO_SHARD,
@@ -243,7 +244,7 @@ class ExpertLoading(abc.ABC):
             fmt = self.weight_format
             self._check_spec(name, tensor, fmt, self.layout.specs(fmt, shard_id), kind)
             slot = expert_id + (self.num_local_experts if shared else 0)
-            ue8m0 = kind == SCALE and fmt.is_mx
+            ue8m0_from = mx_scale_limit(fmt) if kind == SCALE else None
             block_scale = kind == SCALE and fmt is WeightFormat.FP8_BLOCK
             parts = self._arrival.arrive(
                 self._run_pairing,
@@ -251,7 +252,7 @@ class ExpertLoading(abc.ABC):
                 kind,
                 tensor,
                 name,
-                ue8m0=ue8m0,
+                ue8m0_from=ue8m0_from,
                 block_scale=block_scale,
             )
             if parts is None:
@@ -409,10 +410,10 @@ class ExpertLoading(abc.ABC):
         name = f"{what} {SHARD_TO_PROJ[shard_id]}.{kind}"
         if kind != GLOBAL_SCALE:  # loaded_half checked NVFP4's global scale
             self._check_spec(name, tensor, fmt, specs, kind)
-        ue8m0 = kind != WEIGHT and fmt.is_mx
+        ue8m0_from = mx_scale_limit(fmt) if kind != WEIGHT else None
         block_scale = kind != WEIGHT and fmt is WeightFormat.FP8_BLOCK
         parts = self._arrival.arrive(
-            self._pairing, key, kind, tensor, name, ue8m0=ue8m0, block_scale=block_scale
+            self._pairing, key, kind, tensor, name, ue8m0_from=ue8m0_from, block_scale=block_scale
         )
         if parts is None:
             return set()

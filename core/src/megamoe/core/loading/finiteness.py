@@ -3,7 +3,9 @@
 Two checks: no weight or scale may decode to NaN or infinity, and a block-FP8 scale must be
 finite, > 0 and at most ``MAX_BLOCK_SCALE`` (a zero scale erases its 128x128 block, a
 negative one flips its sign, a larger one makes E4M3's 448 overflow float32; none is a
-quantization a checkpoint writer produces).
+quantization a checkpoint writer produces). A UE8M0 (MX) scale byte counts as non-finite
+from the one that takes its format's largest element past float32 on (``mx_scale_limit``:
+247 for MXFP8, 253 for MXFP4; 255 is UE8M0's NaN): such a block decodes to infinity.
 
 A checkpoint tensor is checked where it will live, after its one copy to the experts'
 device. On a GPU each tensor's count of NaN/inf stays on the device: ``NonFiniteLedger``
@@ -18,35 +20,58 @@ from __future__ import annotations
 import torch
 
 from megamoe.core.errors import InvalidScaleError, NonFiniteError, format_keys
+from megamoe.core.numerics.formats import WeightFormat
 
 ALL_ONES = 0xFF  # UE8M0 NaN; float8_e4m3fn NaN once its sign bit is set
 SIGN_BIT = 0x80
 MAX_PENDING_COUNTS = 1024  # device counts kept apart before they are joined into one tensor
 FLAGGED = -1  # count of a conversion flag: non-finite values, number unknown
 E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+FLOAT32_MAX = torch.finfo(torch.float32).max
 # The largest block-FP8 scale whose block decodes to finite float32 values (448 x scale).
-MAX_BLOCK_SCALE = torch.finfo(torch.float32).max / E4M3_MAX
+MAX_BLOCK_SCALE = FLOAT32_MAX / E4M3_MAX
+UE8M0_BIAS = 127
 
 
-def _nonfinite_mask(tensor: torch.Tensor, ue8m0: bool) -> torch.Tensor | None:
+def _ue8m0_overflow_byte(element_max: float) -> int:
+    """The least UE8M0 byte whose scale, 2^(byte - 127), takes ``element_max`` past float32."""
+    return next(b for b in range(ALL_ONES) if element_max * 2.0 ** (b - UE8M0_BIAS) > FLOAT32_MAX)
+
+
+_MX_SCALE_LIMIT = {
+    WeightFormat.MXFP8: _ue8m0_overflow_byte(E4M3_MAX),
+    WeightFormat.MXFP4: _ue8m0_overflow_byte(E2M1_MAX),
+}
+
+
+def mx_scale_limit(fmt: WeightFormat) -> int | None:
+    """For an MX format, the least scale byte whose block decodes to inf or NaN; else None.
+
+    Bytes from it on (255, UE8M0's NaN, included) count as non-finite in ``count_nonfinite``.
+    """
+    return _MX_SCALE_LIMIT.get(fmt)
+
+
+def _nonfinite_mask(tensor: torch.Tensor, ue8m0_from: int | None) -> torch.Tensor | None:
     """Boolean mask of the elements that decode to NaN or inf; None when none can."""
     if tensor.dtype == torch.float8_e4m3fn:
         return (tensor.view(torch.uint8) | SIGN_BIT) == ALL_ONES  # both NaN bytes -> 0xFF
     if tensor.dtype == torch.uint8:
-        return tensor == ALL_ONES if ue8m0 else None
+        return None if ue8m0_from is None else tensor >= ue8m0_from
     if tensor.is_floating_point():
         return ~torch.isfinite(tensor)
     return None
 
 
-def _may_hold_nonfinite(tensor: torch.Tensor, ue8m0: bool) -> bool:
+def _may_hold_nonfinite(tensor: torch.Tensor, ue8m0_from: int | None) -> bool:
     """One pass, no temporaries of the tensor's size: False proves every element finite."""
     if tensor.numel() == 0:
         return False
     if tensor.dtype == torch.float8_e4m3fn:
         return int((tensor.view(torch.uint8) | SIGN_BIT).max()) == ALL_ONES
     if tensor.dtype == torch.uint8:
-        return ue8m0 and int(tensor.max()) == ALL_ONES
+        return ue8m0_from is not None and int(tensor.max()) >= ue8m0_from
     if tensor.is_floating_point():
         # A NaN or inf element makes the sum NaN or inf; an overflowing sum of finite
         # values only costs the exact count.
@@ -97,23 +122,24 @@ def _raise_bad_scales(what: str, shape: tuple[int, ...], summary: list[float]) -
     )
 
 
-def count_nonfinite(tensor: torch.Tensor, *, ue8m0: bool = False) -> int:
+def count_nonfinite(tensor: torch.Tensor, *, ue8m0_from: int | None = None) -> int:
     """Number of elements of a stored weight or scale that decode to NaN or infinity.
 
     Reads the value back to the host (a sync on a GPU); ``NonFiniteLedger`` avoids that.
 
     Args:
         tensor: float (any width), ``float8_e4m3fn`` (NaN = exponent and mantissa all
-            ones), or ``uint8``: a UE8M0 scale when ``ue8m0`` (255 = NaN), otherwise packed
-            E2M1 codes (always finite).
-        ue8m0: read a ``uint8`` tensor as UE8M0 exponents.
+            ones), or ``uint8``: a UE8M0 scale when ``ue8m0_from`` is given, otherwise
+            packed E2M1 codes (always finite).
+        ue8m0_from: read a ``uint8`` tensor as UE8M0 exponents, bytes from this one on
+            non-finite (``mx_scale_limit`` of the weights' format).
 
     Returns:
         The count; 0 for a finite tensor.
     """
-    if not _may_hold_nonfinite(tensor, ue8m0):
+    if not _may_hold_nonfinite(tensor, ue8m0_from):
         return 0
-    mask = _nonfinite_mask(tensor, ue8m0)
+    mask = _nonfinite_mask(tensor, ue8m0_from)
     return 0 if mask is None else int(torch.count_nonzero(mask))
 
 
@@ -138,23 +164,24 @@ class NonFiniteLedger:
         self._scales: list[tuple[str, tuple[int, ...]]] = []
         self._scale_summaries: list[torch.Tensor] = []
 
-    def record(self, what: str, tensor: torch.Tensor, *, ue8m0: bool = False) -> None:
+    def record(self, what: str, tensor: torch.Tensor, *, ue8m0_from: int | None = None) -> None:
         """Count the NaN/inf of ``tensor`` (see ``count_nonfinite``); no host sync on a GPU.
 
         Args:
             what: the tensor named for the message, e.g. ``"expert 3 w1 weight"``.
             tensor: the weight or scale, on the device it is loaded to.
-            ue8m0: read a ``uint8`` tensor as UE8M0 exponents.
+            ue8m0_from: read a ``uint8`` tensor as UE8M0 exponents, non-finite from this
+                byte on (``mx_scale_limit``).
 
         Raises:
             NonFiniteError: a CPU tensor holds NaN or inf.
         """
         if tensor.device.type == "cpu" and not self.defer_cpu:
-            bad = count_nonfinite(tensor, ue8m0=ue8m0)
+            bad = count_nonfinite(tensor, ue8m0_from=ue8m0_from)
             if bad:
                 self._raise([(what, bad)])
             return
-        mask = _nonfinite_mask(tensor, ue8m0)
+        mask = _nonfinite_mask(tensor, ue8m0_from)
         if mask is not None:
             self._append(what, mask.sum(dtype=torch.int64).reshape(1), flag=False)
 
@@ -230,7 +257,7 @@ class NonFiniteLedger:
         held = (
             "non-finite values (NaN/inf, or weight x scale overflows float32)"
             if bad == FLAGGED
-            else f"{bad} non-finite value(s) (NaN/inf)"
+            else f"{bad} non-finite value(s) (NaN/inf, or a scale whose block overflows float32)"
         )
         others = (
             f"; {len(found) - 1} more tensor(s) too: {format_keys(w for w, _ in found[1:])}"
