@@ -16,7 +16,7 @@ one sample per round (``--rounds``), so the ratios are side by side. Each row sa
   eager calls).
 
     python benchmarks/bench_tiles.py --tokens 1536,2048,4096 \\
-        --tiles "BATCH_TILES BATCH_TILES:block_m=64,stages=4" --json tiles.json
+        --tiles "BATCH_TILES BATCH_TILES:claim=True BATCH_TILES:l2_per_sm=4" --json tiles.json
 
 ``kernel_resources.py`` says beforehand whether a shape spills or fits fewer programs per
 SM than it launches. Needs a CUDA device with DeepGEMM (the layers load through it).

@@ -51,7 +51,10 @@ run python3 benchmarks/bench_combine.py --json "$out/combine.json"
 run python3 benchmarks/bench_shared_expert.py --json "$out/shared_expert.json"
 run python3 benchmarks/bench_ep.py --model deepgemm-ref --json "$out/ep-1.json"  # one rank
 run python3 benchmarks/bench_transformers.py --json "$out/transformers.json"
-# The small-batch path's tile shapes side by side past decode (docs/gpu.md, eighth session).
-run python3 benchmarks/bench_tiles.py --tiles "BATCH_TILES BATCH_TILES:block_m=64,stages=4" \
-  --json "$out/tiles.json"
+# The small-batch path's tile shapes side by side past decode (docs/gpu.md, ninth session):
+# items claimed from a counter, 64-token tiles (4 stages, 2 l2 programs per SM: what fits),
+# 4 l2 programs per SM.
+run python3 benchmarks/bench_tiles.py --tiles "BATCH_TILES BATCH_TILES:claim=True \
+  BATCH_TILES:block_m=64,stages=4,l2_per_sm=2 BATCH_TILES:block_m=64,stages=4,l2_per_sm=2,claim=True \
+  BATCH_TILES:l2_per_sm=4 MIDSIZE_TILES" --json "$out/tiles.json"
 exit $status

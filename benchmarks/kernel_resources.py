@@ -102,7 +102,8 @@ def compiled_kernels(tiles: kernels.Tiles, layer: str) -> dict[str, Any]:
     per_expert = tiles.pdl and not tiles.persistent  # where l1 runs in more than one wave
     common = {"NUM_EXPERTS": experts, "HIDDEN": hidden, "INTERMEDIATE": inter,
               "BLOCK_M": tiles.block_m, "SCAN": False, "PAIRS": 16, "PDL": tiles.pdl,
-              "PERSISTENT": tiles.persistent, "PER_EXPERT": per_expert}  # fmt: skip
+              "PERSISTENT": tiles.persistent, "PER_EXPERT": per_expert,
+              "CLAIM": tiles.claim}  # fmt: skip
     pointers = {"ids_ptr": "*i32", "table_ptr": "*i32", "l1_done_ptr": "*i32",
                 "num_pairs": "i32", "first_expert": "i32"}  # fmt: skip
     l1_types = pointers | {

@@ -11,6 +11,7 @@ programs), with and without the SwiGLU clamp, unused slots and other ranks' expe
 
 from __future__ import annotations
 
+import dataclasses
 from types import ModuleType
 from typing import Any
 
@@ -181,12 +182,16 @@ def test_every_tile_shape_gives_the_same_bits(
     mode: str,
 ) -> None:
     """The three tile shapes, forced at 128 tokens (every first slot on expert 3 gives it 128
-    pairs: 4 tiles of 32, 8 of 16); then on 4 SMs the persistent programs again (each takes
-    many items in turn) and the decode grid with l2 waiting per expert (l1's programs no
-    longer run at once); a quarter of the experts are another rank's (ids 0-3), skipped;
-    the per-expert counts are zero after every call."""
+    pairs: 4 tiles of 32, 8 of 16) and the batch tiles claiming their items; then on 4 SMs
+    the persistent programs again, each taking or claiming many items, and the decode grid
+    with l2 waiting per expert (l1's programs no longer run at once); a quarter of the
+    experts are another rank's (ids 0-3), skipped; the per-expert counts are zero after
+    every call, and every claimed item was claimed once (the counters end at the items plus
+    one failed claim per program)."""
     kernels = gpu_like_interpreter
     first = EXPERTS // 4
+    claiming = dataclasses.replace(kernels.BATCH_TILES, claim=True)
+    monkeypatch.setattr(kernels, "ALL_TILES", (*kernels.ALL_TILES, claiming))
     experts = kernel_weights(kernels, references[(10.0, True)], first)
     call = kernel_call(kernels, 10.0, first)
     x, weights, ids = routing(128, seed=7, mode=mode)
@@ -198,13 +203,39 @@ def test_every_tile_shape_gives_the_same_bits(
     for name in ("DECODE_TILES", "MIDSIZE_TILES", "BATCH_TILES"):
         force_tiles(monkeypatch, kernels, name)
         results[name] = call.forward(experts, x, None, weights, ids)
-    monkeypatch.setattr(call, "_sms", 4)
+    claims = []
+    for sms in (132, 4):
+        monkeypatch.setattr(call, "_sms", sms)
+        monkeypatch.setattr(kernels, "tiles_for", lambda tokens, top_k, num_experts: claiming)
+        results[f"claiming on {sms} SMs"] = call.forward(experts, x, None, weights, ids)
+        claims.append(claim_counters(kernels, call, ids.numel(), claiming, sms))
+    force_tiles(monkeypatch, kernels, "BATCH_TILES")
     results["BATCH_TILES, 8 l1 and 12 l2 programs"] = call.forward(experts, x, None, weights, ids)
     force_tiles(monkeypatch, kernels, "DECODE_TILES")
     results["DECODE_TILES waiting per expert"] = call.forward(experts, x, None, weights, ids)
     for name, got in results.items():
         assert_bitwise_equal(got, expected, f"{mode}: {name}")
     assert int(call._l1_done.count_nonzero()) == 0
+    for counted, expected_claims in claims:
+        assert counted == expected_claims
+
+
+def claim_counters(
+    kernels: ModuleType, call: Any, pairs: int, tiles: Any, sms: int
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The route table's l1 and l2 claim counters after a call, and what they should hold:
+    each launch's items, plus one failed claim per program of its grid."""
+    at = 3 * call.num_experts + 1 + 2 * pairs
+    expert_tiles = int(call._table[at])
+    counted = (int(call._table[at + kernels.L1_CLAIMS]), int(call._table[at + kernels.L2_CLAIMS]))
+    most = kernels.most_expert_tiles(pairs, call.num_experts, tiles.block_m)
+    l1_columns, l2_columns = INTER // kernels.BLOCK_N1, HIDDEN // tiles.block_n2
+    l1_programs = min(most * l1_columns, sms * tiles.l1_per_sm)
+    l2_programs = min(most * l2_columns, sms * tiles.l2_per_sm)
+    expected = (
+        expert_tiles * l1_columns + l1_programs, expert_tiles * l2_columns + l2_programs
+    )  # fmt: skip
+    return counted, expected
 
 
 def test_the_route_table_groups_the_pairs_by_expert(
@@ -238,7 +269,8 @@ def test_the_route_table_groups_the_pairs_by_expert(
     expected = [e * kernels.TILE_LIMIT + t for e in range(EXPERTS)
                 for t in range(-(-int(counts[e]) // block_m))]  # fmt: skip
     assert int(tiles[0]) == len(expected)
-    assert tiles[1 : 1 + len(expected)].tolist() == expected
+    assert tiles[1 : kernels.TILES_HEADER].tolist() == [0, 0]  # no claims: taken in turn
+    assert tiles[kernels.TILES_HEADER : kernels.TILES_HEADER + len(expected)].tolist() == expected
 
 
 @pytest.mark.parametrize(

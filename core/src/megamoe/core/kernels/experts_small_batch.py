@@ -22,7 +22,7 @@ while the launch before it runs, and wait for it only before reading what it wro
 2. **l1** (a program per active expert and 64 intermediate columns; from 512 tokens, once
    an expert holds more than ``MIDSIZE_PAIRS_PER_EXPERT`` pairs on average,
    ``Tiles.l1_per_sm`` persistent programs per SM, each taking (expert tile, 64 columns)
-   items in turn): the gate and up rows
+   items in turn, or claiming them from a counter, ``Tiles.claim``): the gate and up rows
    of the block-FP8 ``w13`` (stored with gate and up rows interleaved in groups of 8,
    ``l1_order``) against the expert's tokens, 128x128 float32 block scales, SwiGLU with the
    layer's clamp, times the top-k weight, cast to FP8 with a power-of-two scale per 64
@@ -99,6 +99,10 @@ E4M3_MAX = 448.0  # largest finite float8_e4m3fn magnitude
 TOKEN_AMAX_FLOOR = 1e-10  # the dispatch rule's amax floor (DISPATCH_AMAX_FLOOR)
 ACT_AMAX_FLOOR = 1e-4  # the intermediate's amax floor (the Hopper kernel's, AMAX_FLOOR)
 TILE_LIMIT = 1 << 16  # an expert tile entry: expert * TILE_LIMIT + its tile (of fewer tiles)
+# The route table's expert tiles come after a header: their number, then the counters from
+# which l1's and l2's persistent programs claim their items (``Tiles.claim``).
+TILES_HEADER = 3
+L1_CLAIMS, L2_CLAIMS = 1, 2
 _CAST_ROWS = tl.constexpr(CAST_ROWS)
 _ROUTE_BLOCK = tl.constexpr(ROUTE_BLOCK)
 _COUNT_ROWS = tl.constexpr(COUNT_ROWS)
@@ -106,6 +110,9 @@ _E4M3_MAX = tl.constexpr(E4M3_MAX)
 _E4M3_RECIPROCAL = tl.constexpr(1.0 / E4M3_MAX)
 _TOKEN_AMAX_FLOOR = tl.constexpr(TOKEN_AMAX_FLOOR)
 _TILE_LIMIT = tl.constexpr(TILE_LIMIT)
+_TILES_HEADER = tl.constexpr(TILES_HEADER)
+_L1_CLAIMS = tl.constexpr(L1_CLAIMS)
+_L2_CLAIMS = tl.constexpr(L2_CLAIMS)
 _BLOCK_N1 = tl.constexpr(BLOCK_N1)
 _ACT_AMAX_FLOOR = tl.constexpr(ACT_AMAX_FLOOR)
 
@@ -133,6 +140,13 @@ class Tiles:
     ``l2_per_sm``: persistent l2 programs per SM (three streamed best, 2026-12-04,
     docs/gpu.md). A program that does not fit starts only when another ends, late for its
     share of the items.
+    ``claim``: persistent programs claim their items one at a time from a counter (an
+    atomic add each, the next claimed while the current one runs) in place of taking every
+    so many: the items run in about the order they are listed, whatever the programs' pace,
+    so an expert's tiles (listed side by side) stream its weights together, the later ones
+    from L2. Taken in turn, the items of one expert drift apart over a call: Qwen4-Exp's
+    layer took about one more stream of the weights per tile past the first (3.07x the
+    floor at 4096 tokens, three tiles an expert). Not yet measured on the GPU.
     """
 
     block_m: int
@@ -145,6 +159,7 @@ class Tiles:
     spread: bool
     l1_per_sm: int = 2
     l2_per_sm: int = 3
+    claim: bool = False
 
 
 DECODE_TILES = Tiles(
@@ -250,9 +265,11 @@ def _write_groups(
         expert_tiles = (counts + TILE_M - 1) // TILE_M
         first_tile = tl.cumsum(expert_tiles, 0) - expert_tiles
         tl.store(tiles_ptr, tl.sum(expert_tiles, 0))
+        tl.store(tiles_ptr + _L1_CLAIMS, 0)
+        tl.store(tiles_ptr + _L2_CLAIMS, 0)
         for tile in range(0, tl.max(expert_tiles, 0)):
             tl.store(
-                tiles_ptr + 1 + first_tile + tile, experts * _TILE_LIMIT + tile,
+                tiles_ptr + _TILES_HEADER + first_tile + tile, experts * _TILE_LIMIT + tile,
                 mask=experts_ok & (tile < expert_tiles),
             )  # fmt: skip
     return offsets
@@ -324,8 +341,9 @@ def _route_kernel(
 
     ``table``: counts (E), offsets (E), active experts (E), their number (1), each pair's
     rank within its expert (pairs), the pairs in expert order (pairs); int32. With ``TILE_M``
-    (persistent programs' tiles) it goes on with the number of expert tiles (1), then each
-    active expert's tiles of ``TILE_M`` pairs (``expert * TILE_LIMIT + tile``). Without
+    (persistent programs' tiles) it goes on with the number of expert tiles (1), l1's and
+    l2's claim counters (2, zeroed), then each active expert's tiles of ``TILE_M`` pairs
+    (``expert * TILE_LIMIT + tile``). Without
     ``GROUP`` program 0 does nothing (l1 and l2 scan the ids). With ``COUNT`` each grouping
     program counts its block's pairs per expert into its row of ``block_counts`` and ranks
     them within the block; the place launch finishes the table. With ``PDL`` the next
@@ -545,7 +563,7 @@ def _expert_pairs(
 
 @triton.jit
 def _expert_tiles(table_ptr: tl.tensor, num_pairs: int, NUM_EXPERTS: tl.constexpr) -> tl.tensor:
-    """Where the route table's expert tiles are: their number, then the tiles."""
+    """Where the route table's expert tiles are: their number, the claim counters, the tiles."""
     return _sorted_pairs(table_ptr, num_pairs, NUM_EXPERTS) + num_pairs
 
 
@@ -576,7 +594,7 @@ def _item_pairs(
     expert's), int64, 0 past the expert's count.
     """
     tile = item // COLUMN_TILES
-    packed = tl.load(_expert_tiles(table_ptr, num_pairs, NUM_EXPERTS) + 1 + tile)
+    packed = tl.load(_expert_tiles(table_ptr, num_pairs, NUM_EXPERTS) + _TILES_HEADER + tile)
     expert = packed // _TILE_LIMIT
     m = (packed % _TILE_LIMIT) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < tl.load(table_ptr + expert)
@@ -584,6 +602,19 @@ def _item_pairs(
     sorted_ptr += tl.load(table_ptr + NUM_EXPERTS + expert)
     pair = tl.load(sorted_ptr + m, mask=m_ok, other=0).to(tl.int64)
     return expert, item % COLUMN_TILES, m_ok, pair
+
+
+@triton.jit
+def _claim(
+    table_ptr: tl.tensor, num_pairs: int, NUM_EXPERTS: tl.constexpr, COUNTER: tl.constexpr
+) -> tl.tensor:
+    """The next unclaimed item of the launch (``Tiles.claim``): counter ``COUNTER``, plus one.
+
+    Relaxed: the claims need only be distinct; what the items read was written by earlier
+    launches.
+    """
+    counter = _expert_tiles(table_ptr, num_pairs, NUM_EXPERTS) + COUNTER
+    return tl.atomic_add(counter, 1, sem="relaxed")
 
 
 @triton.jit
@@ -692,6 +723,35 @@ def _l1_tile(
     tl.store(act_scale_ptr + pair * (INTERMEDIATE // 64) + tile, act_scale, mask=m_ok)
 
 
+@triton.jit
+def _l1_item(
+    x_ptr: tl.tensor,
+    x_scale_ptr: tl.tensor,
+    w13_desc: tl.tensor_descriptor,
+    w13_scale_ptr: tl.tensor,
+    weights_ptr: tl.tensor,
+    table_ptr: tl.tensor,
+    act_ptr: tl.tensor,
+    act_scale_ptr: tl.tensor,
+    item: tl.tensor,
+    num_pairs: int,
+    NUM_EXPERTS: tl.constexpr,
+    TOP_K: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    INTERMEDIATE: tl.constexpr,
+    CLAMP: tl.constexpr,
+    LIMIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+) -> None:
+    """A persistent l1 program's item ``item`` (``_items``: an expert tile, 64 columns)."""
+    NT: tl.constexpr = INTERMEDIATE // 64
+    expert, column, m_ok, pair = _item_pairs(table_ptr, item, num_pairs, NUM_EXPERTS, NT, BLOCK_M)
+    _l1_tile(
+        x_ptr, x_scale_ptr, w13_desc, w13_scale_ptr, weights_ptr, act_ptr, act_scale_ptr,
+        expert, column, pair, m_ok, TOP_K, HIDDEN, INTERMEDIATE, CLAMP, LIMIT, BLOCK_M,
+    )  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["num_pairs", "first_expert"])
 def _l1_kernel(
     x_ptr: tl.tensor,
@@ -718,6 +778,7 @@ def _l1_kernel(
     PDL: tl.constexpr,
     PERSISTENT: tl.constexpr,
     PER_EXPERT: tl.constexpr,
+    CLAIM: tl.constexpr,
 ) -> None:
     """One expert's 64 intermediate columns ``program_id(0)``, or with ``PERSISTENT`` items.
 
@@ -725,7 +786,8 @@ def _l1_kernel(
     that pair ``program_id(1)`` leads; the column tiles vary fastest, so an expert's programs
     start together (1.6-3.3% faster than experts fastest from 16 to 256 tokens, docs/gpu.md).
     ``PERSISTENT``: program p takes the items p, p + programs, ... of (the route table's
-    expert tiles of ``BLOCK_M`` pairs, 64 columns). With ``PDL`` it waits for the route
+    expert tiles of ``BLOCK_M`` pairs, 64 columns), or with ``CLAIM`` those it claims from
+    the table's l1 counter until they run out. With ``PDL`` it waits for the route
     launch (a no-op when it is the call's first launch) and lets l2's programs start. With
     ``PER_EXPERT`` (and ``PDL``), once its rows are written it adds one to its expert's count
     in ``l1_done``, what l2 waits for.
@@ -735,14 +797,23 @@ def _l1_kernel(
     if PERSISTENT:
         NT: tl.constexpr = INTERMEDIATE // 64
         items = _items(table_ptr, num_pairs, NUM_EXPERTS, NT)
-        for item in range(tl.program_id(0), items, tl.num_programs(0)):
-            expert, column, m_ok, pair = _item_pairs(
-                table_ptr, item, num_pairs, NUM_EXPERTS, NT, BLOCK_M
-            )
-            _l1_tile(
-                x_ptr, x_scale_ptr, w13_desc, w13_scale_ptr, weights_ptr, act_ptr, act_scale_ptr,
-                expert, column, pair, m_ok, TOP_K, HIDDEN, INTERMEDIATE, CLAMP, LIMIT, BLOCK_M,
-            )  # fmt: skip
+        if CLAIM:
+            item = _claim(table_ptr, num_pairs, NUM_EXPERTS, _L1_CLAIMS)
+            while item < items:
+                claimed = _claim(table_ptr, num_pairs, NUM_EXPERTS, _L1_CLAIMS)
+                _l1_item(
+                    x_ptr, x_scale_ptr, w13_desc, w13_scale_ptr, weights_ptr, table_ptr, act_ptr,
+                    act_scale_ptr, item, num_pairs, NUM_EXPERTS, TOP_K, HIDDEN, INTERMEDIATE,
+                    CLAMP, LIMIT, BLOCK_M,
+                )  # fmt: skip
+                item = claimed
+        else:
+            for item in range(tl.program_id(0), items, tl.num_programs(0)):
+                _l1_item(
+                    x_ptr, x_scale_ptr, w13_desc, w13_scale_ptr, weights_ptr, table_ptr, act_ptr,
+                    act_scale_ptr, item, num_pairs, NUM_EXPERTS, TOP_K, HIDDEN, INTERMEDIATE,
+                    CLAMP, LIMIT, BLOCK_M,
+                )  # fmt: skip
     else:
         skip, expert, count, sorted_ptr, mine, rank, q = _program_expert(
             ids_ptr, table_ptr, num_pairs, first_expert, NUM_EXPERTS, SCAN, PAIRS
@@ -804,6 +875,32 @@ def _l2_tile(
     tl.store(y_ptr + pair[None, :] * HIDDEN + n[:, None], y, mask=m_ok[None, :])
 
 
+@triton.jit
+def _l2_item(
+    act_ptr: tl.tensor,
+    act_scale_ptr: tl.tensor,
+    w2_desc: tl.tensor_descriptor,
+    w2_scale_ptr: tl.tensor,
+    table_ptr: tl.tensor,
+    y_ptr: tl.tensor,
+    item: tl.tensor,
+    num_pairs: int,
+    NUM_EXPERTS: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    INTERMEDIATE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    STEP: tl.constexpr,
+) -> None:
+    """A persistent l2 program's item ``item`` (an expert tile, ``BLOCK_N`` columns)."""
+    NT: tl.constexpr = HIDDEN // BLOCK_N
+    expert, column, m_ok, pair = _item_pairs(table_ptr, item, num_pairs, NUM_EXPERTS, NT, BLOCK_M)
+    _l2_tile(
+        act_ptr, act_scale_ptr, w2_desc, w2_scale_ptr, y_ptr, expert, column, pair, m_ok,
+        HIDDEN, INTERMEDIATE, BLOCK_M, BLOCK_N, STEP,
+    )  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["num_pairs", "first_expert"])
 def _l2_kernel(
     act_ptr: tl.tensor,
@@ -827,10 +924,12 @@ def _l2_kernel(
     PDL: tl.constexpr,
     PERSISTENT: tl.constexpr,
     PER_EXPERT: tl.constexpr,
+    CLAIM: tl.constexpr,
 ) -> None:
     """One expert's ``BLOCK_N`` output columns ``program_id(0)``, or with ``PERSISTENT`` items.
 
-    The expert and the items as in l1 (items of ``BLOCK_N`` columns). With ``PDL`` it finds
+    The expert and the items as in l1 (items of ``BLOCK_N`` columns; with ``CLAIM`` from the
+    table's l2 counter). With ``PDL`` it finds
     its expert while l1 runs (the ids and the route table are older than l1) and waits for
     l1 before reading its rows: for the whole l1 launch, or with ``PER_EXPERT`` for its
     expert's l1 programs alone (their count in ``l1_done``), so that it streams ``w2``
@@ -843,14 +942,21 @@ def _l2_kernel(
             gdc_wait()
         NT: tl.constexpr = HIDDEN // BLOCK_N
         items = _items(table_ptr, num_pairs, NUM_EXPERTS, NT)
-        for item in range(tl.program_id(0), items, tl.num_programs(0)):
-            expert, column, m_ok, pair = _item_pairs(
-                table_ptr, item, num_pairs, NUM_EXPERTS, NT, BLOCK_M
-            )
-            _l2_tile(
-                act_ptr, act_scale_ptr, w2_desc, w2_scale_ptr, y_ptr, expert, column, pair, m_ok,
-                HIDDEN, INTERMEDIATE, BLOCK_M, BLOCK_N, STEP,
-            )  # fmt: skip
+        if CLAIM:
+            item = _claim(table_ptr, num_pairs, NUM_EXPERTS, _L2_CLAIMS)
+            while item < items:
+                claimed = _claim(table_ptr, num_pairs, NUM_EXPERTS, _L2_CLAIMS)
+                _l2_item(
+                    act_ptr, act_scale_ptr, w2_desc, w2_scale_ptr, table_ptr, y_ptr, item,
+                    num_pairs, NUM_EXPERTS, HIDDEN, INTERMEDIATE, BLOCK_M, BLOCK_N, STEP,
+                )  # fmt: skip
+                item = claimed
+        else:
+            for item in range(tl.program_id(0), items, tl.num_programs(0)):
+                _l2_item(
+                    act_ptr, act_scale_ptr, w2_desc, w2_scale_ptr, table_ptr, y_ptr, item,
+                    num_pairs, NUM_EXPERTS, HIDDEN, INTERMEDIATE, BLOCK_M, BLOCK_N, STEP,
+                )  # fmt: skip
     else:
         skip, expert, count, sorted_ptr, mine, rank, q = _program_expert(
             ids_ptr, table_ptr, num_pairs, first_expert, NUM_EXPERTS, SCAN, PAIRS
@@ -1022,7 +1128,9 @@ class SmallBatchExperts:
         pairs = max_tokens * top_k
         expert_tiles = most_expert_tiles(pairs, num_experts, tile_m)
         self._table = torch.empty(
-            3 * num_experts + 2 + 2 * pairs + expert_tiles, dtype=torch.int32, device=device
+            3 * num_experts + 1 + 2 * pairs + TILES_HEADER + expert_tiles,
+            dtype=torch.int32,
+            device=device,
         )
         self._block_counts = torch.empty(
             2 * cdiv(pairs, COUNT_BLOCK) * num_experts, dtype=torch.int32, device=device
@@ -1176,7 +1284,8 @@ class SmallBatchExperts:
         waves = l1_grid[0] * l1_grid[1] > self._sms * tiles.l1_per_sm
         per_expert = tiles.pdl and not tiles.persistent and waves
         l1_c = (
-            *self._l1_c, tiles.block_m, scan, scan_pairs, tiles.pdl, tiles.persistent, per_expert
+            *self._l1_c, tiles.block_m, scan, scan_pairs, tiles.pdl, tiles.persistent, per_expert,
+            tiles.claim,
         )  # fmt: skip
         l1_pdl = tiles.pdl and (cast or not scan)  # after the route launch, where there is one
         _l1(
@@ -1188,7 +1297,7 @@ class SmallBatchExperts:
         )  # fmt: skip
         l2_c = (
             *self._l2_c, tiles.block_m, tiles.block_n2, tiles.l2_step, scan, scan_pairs,
-            tiles.pdl, tiles.persistent, per_expert,
+            tiles.pdl, tiles.persistent, per_expert, tiles.claim,
         )  # fmt: skip
         _l2(
             _key((l2_c, tiles), w2, w2_scale, topk_ids), l2_grid, index,
