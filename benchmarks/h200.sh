@@ -51,6 +51,8 @@ run python3 benchmarks/bench_combine.py --json "$out/combine.json"
 run python3 benchmarks/bench_shared_expert.py --json "$out/shared_expert.json"
 run python3 benchmarks/bench_ep.py --model deepgemm-ref --json "$out/ep-1.json"  # one rank
 run python3 benchmarks/bench_transformers.py --json "$out/transformers.json"
+# The small-batch path's host time per call, its launches taken out (the H200 machine's CPU).
+run python3 benchmarks/bench_host.py --json "$out/host.json"
 # The small-batch path's tile shapes side by side past decode (docs/gpu.md, ninth session):
 # items claimed from a counter, 64-token tiles (4 stages, 2 l2 programs per SM: what fits),
 # 4 l2 programs per SM.
