@@ -11,7 +11,6 @@ programs), with and without the SwiGLU clamp, unused slots and other ranks' expe
 
 from __future__ import annotations
 
-import dataclasses
 from types import ModuleType
 from typing import Any
 
@@ -20,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 from bitcheck import assert_bitwise_equal, relative_error
-from tile_forcing import force_tiles
+from tile_forcing import force_tiles, with_variant
 
 from megamoe.core.backends.deepgemm_layout import L1_ROW_ORDER
 from megamoe.core.loading.pairing import SHARD_GATE, SHARD_UP
@@ -190,8 +189,7 @@ def test_every_tile_shape_gives_the_same_bits(
     one failed claim per program)."""
     kernels = gpu_like_interpreter
     first = EXPERTS // 4
-    claiming = dataclasses.replace(kernels.BATCH_TILES, claim=True)
-    monkeypatch.setattr(kernels, "ALL_TILES", (*kernels.ALL_TILES, claiming))
+    claiming = with_variant(monkeypatch, kernels, "BATCH_TILES", claim=True)
     experts = kernel_weights(kernels, references[(10.0, True)], first)
     call = kernel_call(kernels, 10.0, first)
     x, weights, ids = routing(128, seed=7, mode=mode)
@@ -206,7 +204,7 @@ def test_every_tile_shape_gives_the_same_bits(
     claims = []
     for sms in (132, 4):
         monkeypatch.setattr(call, "_sms", sms)
-        monkeypatch.setattr(kernels, "tiles_for", lambda tokens, top_k, num_experts: claiming)
+        force_tiles(monkeypatch, kernels, claiming)
         results[f"claiming on {sms} SMs"] = call.forward(experts, x, None, weights, ids)
         claims.append(claim_counters(kernels, call, ids.numel(), claiming, sms))
     force_tiles(monkeypatch, kernels, "BATCH_TILES")

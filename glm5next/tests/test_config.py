@@ -129,6 +129,10 @@ def test_stale_layer_keys_are_ignored_as_transformers_ignores_them() -> None:
             {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}},
             r"weight_block_size=\[128\] must be two positive integers",
         ),
+        (
+            {"quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}},
+            r"weight_block_size=\[64, 64\] is not supported: GLM-5.3-Flash's block-FP8 experts",
+        ),
         ({"quantization_config": "fp8"}, r"quantization_config='fp8' must be an object"),
         ({"num_hidden_layers": -2}, r"num_hidden_layers=-2 must be an integer >= 1"),
     ],

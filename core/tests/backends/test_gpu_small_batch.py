@@ -17,7 +17,7 @@ import torch
 from bitcheck import assert_bitwise_equal, relative_error
 from graph_check import replayed_output
 from memory import canonical_bytes, resident_bytes
-from tile_forcing import force_tiles
+from tile_forcing import force_tiles, with_variant
 
 from megamoe.core.backends.deepgemm import DeepGemmBackend
 from megamoe.core.backends.small_batch import KERNEL_MODULE
@@ -284,9 +284,11 @@ def test_every_tile_shape_and_grouping_gives_the_same_bits(
 ) -> None:
     """From 512 tokens counting programs and a place launch group the pairs (12 blocks here,
     more than a place program sums per step) for the persistent programs and for the decode
-    grid of 32-token tiles; the decode tiles, grouped by one program, give the same bits
-    again. A third of the experts are another rank's."""
+    grid of 32-token tiles; the decode tiles, grouped by one program, and the persistent
+    programs claiming their items (their atomic claims racing) give the same bits again. A
+    third of the experts are another rank's."""
     kernels = importlib.import_module(KERNEL_MODULE)
+    claiming = with_variant(monkeypatch, kernels, "BATCH_TILES", claim=True)
     first, tokens = SHAPES["qwen4exp"][0] // 3, 1200
     weights, call = kernel_call("qwen4exp", first, tokens)
     x, topk_weights, ids = routing("qwen4exp", tokens, seed=17, mode=mode)
@@ -294,7 +296,7 @@ def test_every_tile_shape_and_grouping_gives_the_same_bits(
         ids[:, 0] = first + 1  # a local expert: 1200 of its pairs, 38 tiles
     assert kernels.tiles_for(tokens, call.top_k, call.num_experts) is kernels.BATCH_TILES
     persistent = call.forward(weights, x, None, topk_weights, ids)
-    for tiles in ("MIDSIZE_TILES", "DECODE_TILES"):
+    for tiles in ("MIDSIZE_TILES", "DECODE_TILES", claiming):
         force_tiles(monkeypatch, kernels, tiles)
         got = call.forward(weights, x, None, topk_weights, ids)
         assert_bitwise_equal(got, persistent, f"{mode} {tiles}")

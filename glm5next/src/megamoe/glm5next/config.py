@@ -118,6 +118,12 @@ def _block_size(quantization_config: Mapping[str, Any] | None) -> tuple[int, int
             f"config.json: quantization_config.weight_block_size={block!r} must be two "
             "positive integers [rows, columns], e.g. [128, 128]"
         )
+    if (int(block[0]), int(block[1])) != BLOCK_FP8_DEFAULT:
+        raise ValueError(
+            f"config.json: quantization_config.weight_block_size={list(block)} is not "
+            f"supported: GLM-5.3-Flash's block-FP8 experts (and megamoe's) use "
+            f"{list(BLOCK_FP8_DEFAULT)}; requantize the checkpoint to 128x128 blocks"
+        )
     return int(block[0]), int(block[1])
 
 
