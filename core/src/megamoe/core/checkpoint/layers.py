@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from megamoe.core.checkpoint.expert_names import TensorSpec
 from megamoe.core.checkpoint.hf_config import MoEConfig, is_composite
+from megamoe.core.errors import CheckpointError
 from megamoe.core.numerics.formats import WeightFormat
 
 # Decoder layers of the text model: composite (vision-language) saves nest the text tower
@@ -32,12 +33,25 @@ def decoder_prefix(config: Mapping[str, Any], tensor_names: Collection[str] | No
 
     With the checkpoint's tensor names, the one that holds tensors (a composite config may
     come with a text-only save and the other way round); else the config's shape decides.
+
+    Raises:
+        CheckpointError: tensors under both: two copies of the decoder, of which megamoe
+            could only guess which one the model reads.
     """
     if tensor_names is not None:
-        for candidate in (COMPOSITE_DECODER, TEXT_DECODER):
-            head = f"{candidate}."
-            if any(name.startswith(head) for name in tensor_names):
-                return candidate
+        held = [
+            candidate
+            for candidate in (COMPOSITE_DECODER, TEXT_DECODER)
+            if any(name.startswith(f"{candidate}.") for name in tensor_names)
+        ]
+        if len(held) > 1:
+            raise CheckpointError(
+                f"the checkpoint holds decoder layers under both {held[0]!r} and {held[1]!r}: "
+                "two copies of the model's layers, of which megamoe cannot tell which one the "
+                "model reads; keep one (the layout config.json describes) and remove the other"
+            )
+        if held:
+            return held[0]
     return COMPOSITE_DECODER if is_composite(config) else TEXT_DECODER
 
 
