@@ -19,15 +19,24 @@ exactly those modules.
 
 Anything else is a NotImplementedError naming the method or format and the layer prefix:
 megamoe never guesses a format it would then load wrongly.
+
+The ignore and ``targets`` lists come from an untrusted ``config.json``: a ``re:`` pattern that
+could backtrack for long (``megamoe.core.checkpoint.safe_regex``) is refused before it runs,
+as is a list of more than ``MAX_PATTERNS`` patterns (a CheckpointError naming the key and
+the pattern).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import functools
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from megamoe.core.checkpoint.safe_regex import SAFE_RULE, regex_problem
+from megamoe.core.errors import CheckpointError
 from megamoe.core.numerics.formats import BLOCK_FP8_DEFAULT, WeightFormat
 
 # quant_method values.
@@ -51,6 +60,7 @@ COMPRESSED_TENSORS_FORMATS = {
 HF_IGNORE_KEYS = ("modules_to_not_convert", "ignored_layers")
 COMPRESSED_TENSORS_IGNORE_KEY = "ignore"
 REGEX_PREFIX = "re:"  # compressed-tensors marks regular expressions this way
+MAX_PATTERNS = 4096  # re: and wildcard entries in one list (matching them stays fast)
 # Key of the experts ``megamoe convert`` rewrote: {"format": "<run format>", "modules": [...]}.
 CONVERTED_KEY = "megamoe_converted_experts"
 # Linear modules of one routed expert, as named in checkpoints.
@@ -258,8 +268,9 @@ def _compressed_tensors_format(config: Mapping[str, Any], prefix: str) -> Weight
     groups = config.get("config_groups") or {}
     top = config.get("format")
     probe = f"{prefix}.0.{EXPERT_PROJS[0]}"
-    for group in groups.values():
-        if _matches_any(group.get("targets") or (), (prefix, probe), class_name="Linear"):
+    for name, group in groups.items():
+        targets = _entries(group.get("targets") or (), f"config_groups.{name}.targets")
+        if _matches_any(targets, (prefix, probe), class_name="Linear"):
             formats.add(str(group.get("format") or top))
     if not formats:
         # No group targets these modules: they stay unquantized (a config without groups
@@ -297,6 +308,7 @@ def _ignored(
         NotImplementedError: they keep only some of the experts (or some projections).
     """
     entries: list[str] = []
+    named: list[str] = []
     for key in keys:
         value = config.get(key) or []
         if isinstance(value, str) or not all(isinstance(v, str) for v in value):
@@ -304,19 +316,29 @@ def _ignored(
                 f"{prefix}: quantization_config {key} must be a list of module names, got {value!r}"
             )
         entries.extend(value)
+        named.extend([key] if value else [])
     if not entries:
         return False
-    if _matches_any(entries, (prefix,)):
+    checked = _entries(entries, " + ".join(named))
+    if _matches_any(checked, (prefix,)):
         return True
-    below_prefix = [e for e in entries if _may_name_below(e)]
-    hits = [m for m in modules if _matches_any(below_prefix, (m,))] if below_prefix else []
+    hits: list[str] = []
+    missed = False
+    if checked.below is not None:
+        for module in modules:
+            if _matches_any(checked.below, (module,)):
+                hits.append(module)
+            else:
+                missed = True
+            if hits and missed:
+                break  # some but not all: refused below without matching the rest
     # Plain names below the prefix also say "part of the experts" without a count.
     below = [
         e
         for e in entries
         if not e.startswith(REGEX_PREFIX) and "*" not in e and e.startswith(prefix + ".")
     ]
-    if modules and len(hits) == len(modules):
+    if modules and not missed and len(hits) == len(modules):
         return True
     if hits or below:
         shown = (hits or below)[:4]
@@ -342,7 +364,72 @@ def _may_name_below(entry: str) -> bool:
     return last.isdigit() or last in EXPERT_PROJS
 
 
-def _matches_any(entries: Iterable[str], names: Iterable[str], class_name: str = "") -> bool:
+@dataclass(frozen=True)
+class _Entries:
+    """An ignore or ``targets`` list sorted by kind, its patterns checked and compiled."""
+
+    raw: frozenset[str]  # the entries as given (class names match as themselves)
+    plain: frozenset[tuple[str, ...]]  # dotted components of the plain module names
+    regexes: tuple[re.Pattern[str], ...]
+    wildcards: tuple[str, ...]
+    below: _Entries | None = None  # the entries that may name a module below a prefix
+
+
+def _entries(entries: Iterable[object], key: str) -> _Entries:
+    """``entries`` (of ``quantization_config.{key}``) checked once and compiled.
+
+    Raises:
+        CheckpointError: an entry is not a string, a ``re:`` pattern could backtrack for
+            long (``safe_regex.regex_problem``), or the list holds more than ``MAX_PATTERNS``
+            patterns.
+    """
+    listed = (entries,) if isinstance(entries, str) else tuple(entries)
+    names = tuple(e for e in listed if isinstance(e, str))
+    if isinstance(entries, str) or len(names) != len(listed):
+        raise CheckpointError(
+            f"quantization_config.{key} must be a list of module names, got {list(listed)!r}"
+        )
+    return _checked_entries(names, key)
+
+
+@functools.lru_cache(maxsize=32)
+def _checked_entries(entries: tuple[str, ...], key: str) -> _Entries:
+    """:func:`_entries` for one list, once: every layer of a checkpoint reads the same lists."""
+    patterns = sum(1 for e in entries if e.startswith(REGEX_PREFIX) or "*" in e)
+    if patterns > MAX_PATTERNS:
+        raise CheckpointError(
+            f"quantization_config.{key} holds {patterns} re: or wildcard patterns, more than "
+            f"the {MAX_PATTERNS} megamoe matches; list the modules by name or merge the patterns"
+        )
+    for entry in entries:
+        if entry.startswith(REGEX_PREFIX) and (
+            problem := regex_problem(entry[len(REGEX_PREFIX) :])
+        ):
+            raise CheckpointError(
+                f"quantization_config.{key} pattern {entry!r} is refused: {problem}. "
+                f"megamoe runs only re: patterns that cannot backtrack for long ({SAFE_RULE}); "
+                r"rewrite it (e.g. 're:.*mlp\.experts\.\d+\.gate_proj$') "
+                "or list the module names"
+            )
+    below = tuple(filter(_may_name_below, entries))
+    return _sorted_entries(entries, _sorted_entries(below) if below else None)
+
+
+def _sorted_entries(entries: tuple[str, ...], below: _Entries | None = None) -> _Entries:
+    """``entries`` (already checked) sorted by kind; ``re:`` patterns compiled."""
+    regexes = [e for e in entries if e.startswith(REGEX_PREFIX)]
+    return _Entries(
+        raw=frozenset(entries),
+        plain=frozenset(
+            tuple(e.split(".")) for e in entries if "*" not in e and not e.startswith(REGEX_PREFIX)
+        ),
+        regexes=tuple(re.compile(e[len(REGEX_PREFIX) :]) for e in regexes),
+        wildcards=tuple(e for e in entries if "*" in e and not e.startswith(REGEX_PREFIX)),
+        below=below,
+    )
+
+
+def _matches_any(entries: _Entries, names: Iterable[str], class_name: str = "") -> bool:
     """Whether an entry names one of ``names`` or a module containing it.
 
     Plain entries match whole dotted components (``lm_head`` matches ``lm_head``,
@@ -352,31 +439,28 @@ def _matches_any(entries: Iterable[str], names: Iterable[str], class_name: str =
     ending in ``.*`` also names the module above it);
     ``class_name`` matches as itself.
     """
-    names = list(names)
-    for entry in entries:
-        if class_name and entry == class_name:
+    if class_name and class_name in entries.raw:
+        return True
+    for name in names:
+        if entries.plain and any(run in entries.plain for run in _dotted_runs(name)):
             return True
-        for name in names:
-            if entry.startswith(REGEX_PREFIX):
-                if re.match(entry[len(REGEX_PREFIX) :], name):
-                    return True
-            elif "*" in entry:
-                # "x.*" names everything below x, which covers x itself here.
-                if fnmatch.fnmatchcase(name, entry) or (
-                    entry.endswith(".*") and fnmatch.fnmatchcase(name, entry[:-2])
-                ):
-                    return True
-            elif _dotted_contains(name, entry):
+        if any(regex.match(name) for regex in entries.regexes):
+            return True
+        for entry in entries.wildcards:
+            # "x.*" names everything below x, which covers x itself here.
+            if fnmatch.fnmatchcase(name, entry) or (
+                entry.endswith(".*") and fnmatch.fnmatchcase(name, entry[:-2])
+            ):
                 return True
     return False
 
 
-def _dotted_contains(name: str, entry: str) -> bool:
-    """Whether ``entry``'s dotted components appear in ``name`` as a contiguous run.
+def _dotted_runs(name: str) -> Iterable[tuple[str, ...]]:
+    """Every contiguous run of ``name``'s dotted components: the plain entries that name it.
 
     An entry naming an ancestor (``model.layers.3.mlp``) or a component (``experts``) of
     ``model.layers.3.mlp.experts`` covers those experts; ``gate`` does not cover ``gate_proj``.
+    Looking the runs up in a set costs the same for 10 entries or 100,000.
     """
-    parts, want = name.split("."), entry.split(".")
-    n = len(want)
-    return any(parts[i : i + n] == want for i in range(len(parts) - n + 1))
+    parts = tuple(name.split("."))
+    return (parts[i:j] for i in range(len(parts)) for j in range(i + 1, len(parts) + 1))
