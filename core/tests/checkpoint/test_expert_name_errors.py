@@ -1,7 +1,7 @@
 """A routed-experts load that cannot be placed says which tensor, which rule and what to do:
-an id beyond the model's experts, an id written with a leading zero or a sign, and a meta
-tensor (a shape without data); the layer then loads the real tensors as if nothing had
-been sent."""
+an id beyond the model's experts, an id written with a leading zero, a sign or more digits
+than an index has (thousands: int() refuses them), and a meta tensor (a shape without
+data); the layer then loads the real tensors as if nothing had been sent."""
 
 from __future__ import annotations
 
@@ -36,6 +36,8 @@ def _stream() -> list[tuple[str, torch.Tensor]]:
         ("07.gate_proj.weight", r"'07\.gate_proj\.weight'; expected .*\(\{expert\}: a decimal "
          r"id in \[0, 8\), no leading zeros\)"),
         ("-1.gate_proj.weight", r"'-1\.gate_proj\.weight'; expected .*in \[0, 8\)"),
+        ("1234567890.gate_proj.weight", r"'1234567890\.gate_proj\.weight'; expected .*in \[0, 8\)"),
+        ("9" * 5000 + ".gate_proj.weight", r"'9{5000}\.gate_proj\.weight'; expected .*in \[0, 8\)"),
     ],
 )  # fmt: skip
 def test_an_expert_id_outside_the_rule_is_named(name: str, message: str) -> None:

@@ -10,6 +10,7 @@ the real models live in the adapters' test suites.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -23,10 +24,11 @@ from untouched import nothing_changes_outside
 
 from megamoe.core.adapters import SyntheticSizes, open_checkpoint
 from megamoe.core.checkpoint import files as checkpoint_files
+from megamoe.core.checkpoint import reader as checkpoint_reader
 from megamoe.core.checkpoint.reader import INDEX_FILE
 from megamoe.core.cli import main as cli
 from megamoe.core.convert import convert_checkpoint
-from megamoe.core.errors import CheckpointError, NoAdapterError
+from megamoe.core.errors import CheckpointError, NoAdapterError, UnsupportedCheckpointError
 from megamoe.core.testing import write_synthetic_checkpoint
 
 SIZES = SyntheticSizes(num_layers=2, hidden_size=256, intermediate_size=256, num_experts=4)
@@ -106,6 +108,95 @@ def _non_string_name(ckpt: Path) -> None:
 def _link_to_device(ckpt: Path) -> None:
     os.symlink("/dev/zero", ckpt / "zero.safetensors")
     _set_entry(ckpt, EXPERT + ".weight", "zero.safetensors")
+
+
+def _moved_out(ckpt: Path, name: str) -> Path:
+    """Move checkpoint file ``name`` out of the directory, leaving a symlink to it."""
+    elsewhere = ckpt.parent / "elsewhere" / name
+    elsewhere.parent.mkdir(exist_ok=True)
+    (ckpt / name).rename(elsewhere)
+    os.symlink(elsewhere, ckpt / name)
+    return elsewhere
+
+
+def _shard_linked_outside(ckpt: Path) -> None:
+    _moved_out(ckpt, _shard_of(ckpt, EXPERT + ".weight").name)
+
+
+def _config_linked_outside(ckpt: Path) -> None:
+    _moved_out(ckpt, "config.json")
+
+
+def _config_linked_to_passwd(ckpt: Path) -> None:
+    (ckpt / "config.json").unlink()
+    os.symlink("/etc/passwd", ckpt / "config.json")
+
+
+def _index_linked_outside(ckpt: Path) -> None:
+    _moved_out(ckpt, INDEX_FILE)
+
+
+def _index_broken_link(ckpt: Path) -> None:
+    (ckpt / INDEX_FILE).unlink()
+    os.symlink("gone.json", ckpt / INDEX_FILE)
+
+
+def _index_a_directory(ckpt: Path) -> None:
+    (ckpt / INDEX_FILE).unlink()
+    (ckpt / INDEX_FILE).mkdir()
+
+
+def _shard_broken_link(ckpt: Path) -> None:
+    shard = _shard_of(ckpt, EXPERT + ".weight")
+    shard.unlink()
+    os.symlink("gone.safetensors", shard)
+
+
+def _shard_name_too_long(ckpt: Path) -> None:
+    _set_entry(ckpt, EXPERT + ".weight", "a" * 300 + ".safetensors")
+
+
+def _shard_name_lone_surrogate(ckpt: Path) -> None:
+    _set_entry(ckpt, EXPERT + ".weight", "\ud800.safetensors")
+
+
+LONG_INDEX = "9" * 5000
+
+
+def _long_expert_index(ckpt: Path) -> None:
+    _add_tensor(
+        ckpt, f"{EXPERTS}.{LONG_INDEX}.gate_proj.weight", torch.zeros(2, dtype=torch.bfloat16)
+    )
+
+
+def _long_layer_index(ckpt: Path) -> None:
+    name = f"model.layers.{LONG_INDEX}.mlp.experts.0.gate_proj.weight"
+    _add_tensor(ckpt, name, torch.zeros(2, dtype=torch.bfloat16))
+
+
+def _long_index_in_a_shard_only(ckpt: Path) -> None:
+    """The index lists the shard's other tensors: the shard's own names are checked too."""
+    _add_tensor(
+        ckpt, f"{EXPERTS}.{LONG_INDEX}.up_proj.weight", torch.zeros(2, dtype=torch.bfloat16)
+    )
+    index = _index(ckpt)
+    del index["weight_map"][f"{EXPERTS}.{LONG_INDEX}.up_proj.weight"]
+    _write_index(ckpt, index)
+
+
+def _with_raw_entry(name: str, entry: dict, data: bytes) -> Callable[[Path], None]:
+    """Add a header entry (offsets at the end of the data section) to the norm's own shard."""
+
+    def apply(ckpt: Path) -> None:
+        shard = _norm_in_own_shard(ckpt)
+        blob = shard.read_bytes()
+        length = struct.unpack("<Q", blob[:8])[0]
+        header, body = json.loads(blob[8 : 8 + length]), blob[8 + length :]
+        header[name] = {**entry, "data_offsets": [len(body), len(body) + len(data)]}
+        _raw_shard(shard, header, body + data)
+        _set_entry(ckpt, name, NORM_SHARD)
+
+    return apply
 
 
 def _norm_in_own_shard(ckpt: Path) -> Path:
@@ -242,6 +333,15 @@ def _deep_index(ckpt: Path) -> None:
 
 
 PLAIN_NAME = r"must be the plain name of a file inside the checkpoint directory"
+OUTSIDE = (
+    r"is a symlink to .*elsewhere.*, outside the checkpoint directory .*; a file a checkpoint "
+    r"names must lie inside its directory \(or, for a Hugging Face cache snapshot, in its "
+    r"repository's blobs/\).*: copy the file into .* in place of the link"
+)
+EXTRA = "model.layers.1.mlp.extra.weight"  # under the MoE block: let through when empty
+INT64 = r"must be non-negative with a product of at most 2\*\*63 - 1, the int64 sizes"
+LONG = r"9+\.\.\.\(\d+ characters\)\.\.\.9+"
+DIGITS = r"has an index of 5000 digits; a layer or expert index in a tensor name has at most 9"
 SAFETENSORS = r"not a readable safetensors file \(Error while deserializing header: "
 CASES: dict[str, tuple[Callable[[Path], None], type[Exception], str]] = {
     "index name with ..": (
@@ -263,6 +363,86 @@ CASES: dict[str, tuple[Callable[[Path], None], type[Exception], str]] = {
         _non_string_name,
         CheckpointError,
         r"is int 7; a shard file name",
+    ),
+    "shard linked outside the checkpoint": (
+        _shard_linked_outside,
+        CheckpointError,
+        r"model-\d+-of-\d+\.safetensors: shard file " + OUTSIDE,
+    ),
+    "config.json linked outside the checkpoint": (
+        _config_linked_outside,
+        CheckpointError,
+        r"config\.json: config\.json " + OUTSIDE,
+    ),
+    "config.json linked to /etc/passwd": (
+        _config_linked_to_passwd,
+        CheckpointError,
+        r"config\.json: config\.json is a symlink to /etc/passwd, outside the checkpoint",
+    ),
+    "index linked outside the checkpoint": (
+        _index_linked_outside,
+        CheckpointError,
+        r"index\.json: the index " + OUTSIDE,
+    ),
+    "index a broken symlink": (
+        _index_broken_link,
+        CheckpointError,
+        r"index\.json: the index is a broken symlink to 'gone\.json' \(No such file .*\); "
+        r"remove it, or download",
+    ),
+    "index a directory": (
+        _index_a_directory,
+        CheckpointError,
+        r"index\.json: the index is not a regular file \(a directory\); remove it, or download",
+    ),
+    "shard a broken symlink": (
+        _shard_broken_link,
+        CheckpointError,
+        r"model-\d+-of-\d+\.safetensors: shard file is a broken symlink to 'gone\.safetensors'",
+    ),
+    "shard name of 312 bytes": (
+        _shard_name_too_long,
+        CheckpointError,
+        r"index\.json: weight_map\['.*2\.down_proj\.weight'\] = 'a+\.\.\.\(312 characters\)"
+        r"\.\.\.a+\.safetensors' \(312 bytes\): a shard file name has at most 255 bytes",
+    ),
+    "shard name with a lone surrogate": (
+        _shard_name_lone_surrogate,
+        CheckpointError,
+        r"= '\\ud800\.safetensors': a shard file name must be text a file name can hold",
+    ),
+    "expert index of 5000 digits": (
+        _long_expert_index,
+        CheckpointError,
+        rf"index\.json: tensor 'model\.layers\.1\.mlp\.experts\.{LONG}\.gate_proj\.weight' "
+        + DIGITS,
+    ),
+    "layer index of 5000 digits": (
+        _long_layer_index,
+        CheckpointError,
+        rf"index\.json: tensor 'model\.layers\.{LONG}\.mlp\.experts\.0\.gate_proj\.weight' "
+        + DIGITS,
+    ),
+    "index of 5000 digits in a shard only": (
+        _long_index_in_a_shard_only,
+        CheckpointError,
+        rf"model-\d+-of-\d+\.safetensors: tensor '.*experts\.{LONG}\.up_proj\.weight' " + DIGITS,
+    ),
+    "empty tensor with a dimension of 2^64 - 1": (
+        _with_raw_entry(EXTRA, {"dtype": "BF16", "shape": [0, 2**64 - 1]}, b""),
+        CheckpointError,
+        rf"{NORM_SHARD}: tensor '{EXTRA}' has shape \[0, 18446744073709551615\]: .*" + INT64,
+    ),
+    "empty tensor whose strides overflow int64": (
+        _with_raw_entry(EXTRA, {"dtype": "BF16", "shape": [2**62, 2, 0]}, b""),
+        CheckpointError,
+        rf"{NORM_SHARD}: tensor '{EXTRA}' has shape \[4611686018427387904, 2, 0\]: .*" + INT64,
+    ),
+    "tensor of a dtype megamoe does not read": (
+        _with_raw_entry("extra", {"dtype": "C64", "shape": [2]}, bytes(16)),
+        UnsupportedCheckpointError,
+        rf"{NORM_SHARD}: tensor 'extra' has safetensors dtype 'C64', which megamoe does not "
+        r"read \(it reads BOOL, U8, .*\): store the tensor in one of those, or remove it",
     ),
     "shard linked to a device": (
         _link_to_device,
@@ -451,19 +631,66 @@ def _search(pattern: str, text: str) -> bool:
     return re.search(pattern, " ".join(text.split())) is not None
 
 
-def test_a_symlinked_shard_is_read_through_its_link(tmp_path: Path, toy_adapter) -> None:
-    """Hugging Face's cache links snapshot files to blobs outside the snapshot directory."""
-    ckpt = write_synthetic_checkpoint(
-        tmp_path / "snapshot", "toymoe", "bf16", SIZES, max_shard_bytes=300_000
-    )
-    shard = _shard_of(ckpt, EXPERT + ".weight")
-    blob = tmp_path / "blobs" / "0123abcd"
-    blob.parent.mkdir()
-    shard.rename(blob)
-    os.symlink(os.path.relpath(blob, ckpt), shard)
-    reader, _ = open_checkpoint(ckpt)
-    want = load_file(blob)[EXPERT + ".weight"]
+def _hugging_face_cache(tmp_path: Path) -> tuple[Path, Path]:
+    """A checkpoint laid out as Hugging Face's cache does: ``<repo>/snapshots/<revision>/``
+    holds symlinks to ``../../blobs/<hash>``, for config.json and the index too.
+
+    Returns:
+        The snapshot directory and the repository's ``blobs/``.
+    """
+    repo = tmp_path / "hub" / "models--org--toy"
+    snapshot, blobs = repo / "snapshots" / "0123abcd", repo / "blobs"
+    write_synthetic_checkpoint(snapshot, "toymoe", "bf16", SIZES, max_shard_bytes=300_000)
+    blobs.mkdir()
+    for file in sorted(snapshot.iterdir()):
+        blob = blobs / hashlib.sha256(file.read_bytes()).hexdigest()
+        file.rename(blob)
+        os.symlink(Path("..", "..", "blobs", blob.name), file)
+    return snapshot, blobs
+
+
+def test_a_hugging_face_cache_snapshot_is_read_through_its_links(
+    tmp_path: Path, toy_adapter, capsys: pytest.CaptureFixture[str]
+) -> None:
+    snapshot, blobs = _hugging_face_cache(tmp_path)
+    assert all(f.is_symlink() for f in snapshot.iterdir())
+    reader, _ = open_checkpoint(snapshot)
+    shard = reader.file_of(EXPERT + ".weight")
+    want = load_file(shard.resolve())[EXPERT + ".weight"]
+    assert shard.resolve().parent == blobs
     assert torch.equal(reader.get_tensor(EXPERT + ".weight"), want)
+    assert cli.main(["inspect", str(snapshot)]) == 0
+    out = tmp_path / "out"
+    with nothing_changes_outside(tmp_path, out):
+        convert_checkpoint(snapshot, out, "mxfp8", progress=False)
+    capsys.readouterr()
+    assert not any(f.is_symlink() for f in out.iterdir())
+    converted, _ = open_checkpoint(out)
+    assert [layer.checkpoint_format.value for layer in converted.layers] == ["mxfp8"] * 2
+
+
+@pytest.mark.parametrize("where", ["a snapshot", "a plain directory"])
+def test_links_to_blobs_count_only_from_a_hugging_face_snapshot(
+    tmp_path: Path, toy_adapter, where: str
+) -> None:
+    """A snapshot's files may lead to its repository's ``blobs/`` and nowhere else in it;
+    a directory that is no snapshot may not lead to a ``blobs/`` beside it."""
+    if where == "a snapshot":
+        ckpt, blobs = _hugging_face_cache(tmp_path)
+        moved = blobs.parent / "refs" / "shard"  # in the repository, not in blobs/
+    else:
+        ckpt = write_synthetic_checkpoint(
+            tmp_path / "snapshot", "toymoe", "bf16", SIZES, max_shard_bytes=300_000
+        )
+        moved = tmp_path / "blobs" / "0123abcd"
+    shard = _shard_of(ckpt, EXPERT + ".weight")
+    moved.parent.mkdir()
+    shard.resolve().rename(moved)
+    shard.unlink(missing_ok=True)  # the link (a plain file was moved)
+    os.symlink(os.path.relpath(moved, ckpt), shard)
+    message = rf"{shard.name}: shard file is a symlink to {moved}, outside the checkpoint"
+    with pytest.raises(CheckpointError, match=message):
+        open_checkpoint(ckpt)
 
 
 def test_reads_use_the_validated_file_not_a_decoy(tmp_path: Path, toy_adapter) -> None:
@@ -473,7 +700,8 @@ def test_reads_use_the_validated_file_not_a_decoy(tmp_path: Path, toy_adapter) -
         tmp_path / "ckpt", "toymoe", "bf16", SIZES, max_shard_bytes=300_000
     )
     shard = _shard_of(ckpt, EXPERT + ".weight")
-    real = tmp_path / "real.safetensors"
+    real = ckpt / "store" / "real.safetensors"  # a link may lead into a subdirectory
+    real.parent.mkdir()
     shard.rename(real)
     os.symlink(real, shard)
     reader, _ = open_checkpoint(ckpt)
@@ -514,3 +742,42 @@ def test_a_checkpoint_of_too_many_tensors_is_refused_before_its_headers_are_kept
         open_checkpoint(ckpt)
     assert cli.main(["inspect", str(ckpt)]) == cli.EXIT_FAIL
     assert _search(message, capsys.readouterr().err)
+
+
+def test_an_empty_tensor_under_an_moe_block_is_built_from_its_header_not_read(
+    tmp_path: Path, toy_adapter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The largest dimensions torch holds pass the header check; safetensors never reads it."""
+    ckpt = write_synthetic_checkpoint(
+        tmp_path / "ckpt", "toymoe", "bf16", SIZES, max_shard_bytes=300_000
+    )
+    shape = (0, 2**63 - 1)
+    _with_raw_entry(EXTRA, {"dtype": "BF16", "shape": list(shape)}, b"")(ckpt)
+    reader, _ = open_checkpoint(ckpt)
+    read: list[str] = []
+
+    def recording(f: object, name: str, piece: object) -> torch.Tensor:
+        read.append(name)
+        return real_read(f, name, piece)
+
+    real_read = checkpoint_reader._read
+    monkeypatch.setattr(checkpoint_reader, "_read", recording)
+    tensors = dict(reader.iter_tensors("model.layers.1.mlp"))
+    empty = reader.get_tensor(EXTRA)
+    assert tensors["extra.weight"].shape == empty.shape == shape
+    assert empty.dtype == torch.bfloat16
+    assert EXTRA not in read
+    assert "model.layers.1.mlp.gate.weight" in read  # the others are read as before
+
+
+def test_an_unsupported_dtype_names_its_shard_once(tmp_path: Path, toy_adapter) -> None:
+    ckpt = write_synthetic_checkpoint(
+        tmp_path / "ckpt", "toymoe", "bf16", SIZES, max_shard_bytes=300_000
+    )
+    _with_raw_entry("extra", {"dtype": "F8_E4M3FNUZ", "shape": [2]}, bytes(2))(ckpt)
+    with pytest.raises(UnsupportedCheckpointError) as caught:
+        open_checkpoint(ckpt)
+    message = str(caught.value)
+    assert message.startswith(f"{ckpt / NORM_SHARD}: tensor 'extra' has safetensors dtype ")
+    assert message.count(NORM_SHARD) == 1
+    assert "download" not in message  # a dtype is no damage: another download is no fix

@@ -18,6 +18,7 @@ import stat
 import warnings
 from pathlib import Path
 
+from megamoe.core.checkpoint.files import checkpoint_roots
 from megamoe.core.checkpoint.reader import INDEX_FILE
 from megamoe.core.checkpoint.shardfile import COPY_CHUNK_BYTES, CREATE_NEW_FLAGS, path_error
 
@@ -127,14 +128,6 @@ def _copy_new(src: Path, dst: Path) -> None:
             raise path_error(err, f"copying {src} to", dst) from err
 
 
-def _checkpoint_roots(src_dir: Path) -> list[Path]:
-    """Where a copied symlink may point without a warning: the checkpoint directory."""
-    root = src_dir.resolve()
-    if root.parent.name == "snapshots":  # Hugging Face cache: files link to ../../blobs/
-        return [root, root.parent.parent / "blobs"]
-    return [root]
-
-
 def copy_other_files(src_dir: Path, partial: Path, skip: set[str]) -> None:
     """Copy the source's other regular files; warn naming what is left out.
 
@@ -143,7 +136,7 @@ def copy_other_files(src_dir: Path, partial: Path, skip: set[str]) -> None:
     cache's ``blobs/``): a checkpoint could otherwise link ``/proc/self/environ`` or a
     secret into an output meant to be shared.
     """
-    roots = _checkpoint_roots(src_dir)
+    roots = checkpoint_roots(src_dir)
     weights, odd, outside = [], [], []
     with os.scandir(src_dir) as scan:
         entries = sorted(scan, key=lambda e: e.name)

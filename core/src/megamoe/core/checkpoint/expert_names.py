@@ -28,6 +28,9 @@ WEIGHT_PACKED = "weight_packed"  # compressed-tensors name of packed E2M1 weight
 GLOBAL_SCALE = "weight_scale_2"  # NVFP4 global scale, a multiplier (ModelOpt)
 CT_GLOBAL_SCALE = "weight_global_scale"  # NVFP4 global scale, a divisor (compressed-tensors)
 INPUT_SCALES = ("input_scale", "input_global_scale")  # NVFP4 activation scales, unused
+# Digits of a layer or expert index in a tensor name (below a billion): a bound checked
+# before int(), which raises on strings of over 4300 digits.
+MAX_INDEX_DIGITS = 9
 
 
 class TensorSpec(NamedTuple):
@@ -91,8 +94,17 @@ def parse_expert_name(name: str) -> ExpertTensorName | None:
 
 
 def _is_index(text: str) -> bool:
-    """An expert index as checkpoints write it: ASCII digits, no leading zero (not ``07``)."""
-    return text.isascii() and text.isdigit() and (text == "0" or not text.startswith("0"))
+    """An expert index as checkpoints write it: ASCII digits, no leading zero (not ``07``).
+
+    At most ``MAX_INDEX_DIGITS`` digits: a longer one is no expert's, and ``int()`` of
+    thousands of digits raises.
+    """
+    return (
+        len(text) <= MAX_INDEX_DIGITS
+        and text.isascii()
+        and text.isdigit()
+        and (text == "0" or not text.startswith("0"))
+    )
 
 
 def projection_shape(proj: str, hidden_size: int, intermediate_size: int) -> tuple[int, int]:

@@ -4,14 +4,20 @@ A checkpoint holds ``model.safetensors``, or shards that ``model.safetensors.ind
 names. Everything a checkpoint gives is untrusted input:
 
 - **Names.** Each file name of the index must be a plain file name (one path component:
-  no ``/`` or ``\\``, not ``.`` or ``..``, no NUL), so it names a file inside the checkpoint
-  directory. That file may be a symlink (Hugging Face's cache links snapshot files to
-  ``../../blobs/<hash>``), followed for reading; it must lead to a regular file. Each file
-  is resolved once, and every header check and data read uses that resolved path.
+  no ``/`` or ``\\``, not ``.`` or ``..``, no NUL, at most ``MAX_NAME_BYTES`` bytes), so it
+  names a file inside the checkpoint directory. A layer or expert index in a tensor name
+  has at most ``MAX_INDEX_DIGITS`` digits.
+- **Confined.** ``config.json``, the index and every shard may be symlinks (Hugging Face's
+  cache links snapshot files to ``../../blobs/<hash>``), followed for reading; each must
+  lead to a regular file inside the checkpoint directory or, for a Hugging Face cache
+  snapshot (``<repo>/snapshots/<revision>``), the repository's ``blobs/``
+  (``checkpoint_roots``; ``confined``). Each file is resolved once, and every header check
+  and data read uses that resolved path.
 - **Headers.** Every shard's header is parsed by safetensors itself (``safe_open``: header
   size, JSON, dtypes, shapes, offsets covering the data section exactly, none
   overlapping), then read again for its byte offsets (``shardfile.read_header``, bounded by
-  the size safetensors accepted), which raw copies need.
+  the size safetensors accepted), which raw copies need; it also refuses shapes torch
+  cannot hold (an empty tensor may declare any dimension below 2**64 to safetensors).
 - **Agreement.** Each tensor the index lists is in the file it names; each tensor of a
   shard is listed, for that shard; no tensor is listed twice or stored in two shards.
 - **Size.** The index and the shards together list at most ``MAX_TENSORS`` tensors, each
@@ -25,14 +31,16 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 from pathlib import Path
 from typing import Any
 
 from safetensors import safe_open
 
-from megamoe.core.checkpoint.expert_names import TensorSpec
+from megamoe.core.checkpoint.expert_names import MAX_INDEX_DIGITS, TensorSpec
 from megamoe.core.checkpoint.shardfile import TensorEntry, read_header
-from megamoe.core.errors import CheckpointError, format_keys
+from megamoe.core.errors import CheckpointError, UnsupportedCheckpointError, format_keys
 
 logger = logging.getLogger("megamoe")
 
@@ -45,6 +53,22 @@ MAX_INDEX_BYTES = 256 << 20  # a real index is a few MB (one line per tensor)
 # header entry kept costs about 1 KB of memory, and a hostile 89 MB header of 1.3 million
 # tensors took 2 GB and 28 s to open; GLM-5.3-Flash holds about 80 thousand (by its config).
 MAX_TENSORS = 2_000_000
+MAX_NAME_BYTES = 255  # NAME_MAX: the longest file name Linux and macOS file systems hold
+MAX_SHOWN_CHARS = 160  # of a name in a message; a longer one is shown cut in the middle
+# A dot-separated part of a tensor name of all digits, longer than an index may be.
+_LONG_INDEX = re.compile(rf"(?:^|\.)(\d{{{MAX_INDEX_DIGITS + 1},}})(?=\.|$)")
+CONFINED = (
+    "a file a checkpoint names must lie inside its directory (or, for a Hugging Face cache "
+    "snapshot, in its repository's blobs/), so that reading it never leaves the checkpoint"
+)
+
+
+def clipped(text: str) -> str:
+    """``text`` for a message: cut in the middle when longer than ``MAX_SHOWN_CHARS``."""
+    if len(text) <= MAX_SHOWN_CHARS:
+        return text
+    half = MAX_SHOWN_CHARS // 2
+    return f"{text[:half]}...({len(text)} characters)...{text[-half // 2 :]}"
 
 
 def check_file_name(name: object, where: str) -> str:
@@ -68,10 +92,96 @@ def check_file_name(name: object, where: str) -> str:
         )
     if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
         raise CheckpointError(
-            f"{where} = {name!r}: a shard file name {rule}; megamoe never reads or writes "
-            f"outside the checkpoint: fix the index or {REDOWNLOAD}"
+            f"{where} = {clipped(name)!r}: a shard file name {rule}; megamoe never reads or "
+            f"writes outside the checkpoint: fix the index or {REDOWNLOAD}"
+        )
+    try:
+        size = len(os.fsencode(name))
+    except UnicodeEncodeError:  # a lone surrogate such as "\ud800", which JSON allows
+        raise CheckpointError(
+            f"{where} = {clipped(name)!r}: a shard file name must be text a file name can "
+            f"hold, and this one holds a lone UTF-16 surrogate; the index is damaged: fix it "
+            f"or {REDOWNLOAD}"
+        ) from None
+    if size > MAX_NAME_BYTES:
+        raise CheckpointError(
+            f"{where} = {clipped(name)!r} ({size} bytes): a shard file name has at most "
+            f"{MAX_NAME_BYTES} bytes (UTF-8), the longest file name a file system holds, so "
+            f"no file has this one; the index is damaged: fix it or {REDOWNLOAD}"
         )
     return name
+
+
+def check_tensor_name(name: str, where: object) -> None:
+    """Refuse a tensor name with an index longer than ``MAX_INDEX_DIGITS`` digits.
+
+    Names are parsed for their layer and expert indices (``layers.3.``, ``experts.5.``);
+    ``int()`` raises on thousands of digits, and no model has a billion layers or experts.
+
+    Args:
+        name: a tensor name a checkpoint gives.
+        where: the file that gives it, for the message.
+
+    Raises:
+        CheckpointError: names the tensor (cut short), the index's length and the rule.
+    """
+    match = _LONG_INDEX.search(name)
+    if match is not None:
+        raise CheckpointError(
+            f"{where}: tensor {clipped(name)!r} has an index of {len(match[1])} digits; a "
+            f"layer or expert index in a tensor name has at most {MAX_INDEX_DIGITS} digits "
+            f"(no model has a billion layers or experts): the name is damaged; {REDOWNLOAD}"
+        )
+
+
+def checkpoint_roots(directory: Path) -> list[Path]:
+    """Where the files of checkpoint ``directory`` may lie once symlinks are followed.
+
+    The directory itself, and for a Hugging Face cache snapshot
+    (``models--org--name/snapshots/<revision>``, whose files link to ``../../blobs/<hash>``)
+    the repository's ``blobs/``.
+    """
+    root = directory.resolve()
+    if root.parent.name == "snapshots":
+        return [root, root.parent.parent / "blobs"]
+    return [root]
+
+
+def confined(path: Path, what: str, fix: str) -> Path:
+    """The regular file that ``path``, an entry of a checkpoint directory, leads to.
+
+    Symlinks are followed; where they lead must lie in ``checkpoint_roots`` of the
+    directory. Read the returned path, not ``path``: the name could be relinked later.
+
+    Args:
+        path: the entry (it exists, or is a symlink).
+        what: what it is, for messages (``shard file``, ``config.json``).
+        fix: what to do when it is a broken symlink or no regular file.
+
+    Returns:
+        The resolved path.
+
+    Raises:
+        CheckpointError: a broken symlink, not a regular file, or a file outside the
+            checkpoint; names the entry, where it leads, the rule and the fix.
+    """
+    try:
+        target = path.resolve(strict=True)
+    except (OSError, RuntimeError) as err:  # RuntimeError: a symlink loop (Python 3.11)
+        reason = getattr(err, "strerror", None) or str(err)
+        kind = f"a broken symlink to {_link_text(path)}" if path.is_symlink() else "unreadable"
+        raise CheckpointError(f"{path}: {what} is {kind} ({reason}); {fix}") from None
+    if not target.is_file():
+        kind = "a directory" if target.is_dir() else "a device, FIFO or socket"
+        via = f", through a symlink to {target}" if path.is_symlink() else ""
+        raise CheckpointError(f"{path}: {what} is not a regular file ({kind}{via}); {fix}")
+    roots = checkpoint_roots(path.parent)
+    if not any(target.is_relative_to(root) for root in roots):
+        raise CheckpointError(
+            f"{path}: {what} is a symlink to {target}, outside the checkpoint directory "
+            f"{roots[0]}; {CONFINED}: copy the file into {path.parent} in place of the link"
+        )
+    return target
 
 
 def refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -100,6 +210,14 @@ def unreadable_json(err: RecursionError | ValueError) -> str:
     return f"JSON {what}, which no model's config or index is"
 
 
+def _link_text(path: Path) -> str:
+    """Where symlink ``path`` points, as it is written, for a message."""
+    try:
+        return repr(clipped(os.readlink(path)))
+    except OSError:
+        return "an unreadable target"
+
+
 class CheckpointFiles:
     """The validated safetensors files of one checkpoint directory.
 
@@ -119,7 +237,7 @@ class CheckpointFiles:
     def __init__(self, path: Path) -> None:
         self.path = path
         index = path / INDEX_FILE
-        self.index: Path | None = index if index.is_file() else None
+        self.index: Path | None = index if os.path.lexists(index) else None
         self._resolved: dict[str, Path] = {}
         self._entries: dict[str, dict[str, TensorEntry]] = {}
         if self.index is not None:
@@ -130,7 +248,7 @@ class CheckpointFiles:
                     "(transformers reads %s): remove the stale one",
                     path, INDEX_FILE, SINGLE_FILE, SINGLE_FILE,
                 )  # fmt: skip
-        elif (path / SINGLE_FILE).is_file():
+        elif os.path.lexists(path / SINGLE_FILE):  # a broken link is named by entries()
             self.weight_map = dict.fromkeys(self.entries(SINGLE_FILE), SINGLE_FILE)
         else:
             raise CheckpointError(f"{path}: neither {INDEX_FILE} nor {SINGLE_FILE} is present")
@@ -142,13 +260,18 @@ class CheckpointFiles:
         return sorted(set(self.weight_map.values()))
 
     def _read_index(self, index: Path) -> dict[str, str]:
-        if index.stat().st_size > MAX_INDEX_BYTES:
+        source = confined(index, "the index", f"remove it, or {REDOWNLOAD}")
+        try:
+            size = source.stat().st_size
+        except OSError as err:
+            raise CheckpointError(f"{index}: cannot be read ({err.strerror})") from None
+        if size > MAX_INDEX_BYTES:
             raise CheckpointError(
-                f"{index}: {index.stat().st_size} bytes, more than the {MAX_INDEX_BYTES} an "
-                f"index may have; {REDOWNLOAD}"
+                f"{index}: {size} bytes, more than the {MAX_INDEX_BYTES} an index may have; "
+                f"{REDOWNLOAD}"
             )
         try:
-            data = json.loads(index.read_bytes(), object_pairs_hook=refuse_duplicate_keys)
+            data = json.loads(source.read_bytes(), object_pairs_hook=refuse_duplicate_keys)
         except (json.JSONDecodeError, UnicodeDecodeError, CheckpointError) as err:
             raise CheckpointError(f"{index}: not a valid index ({err}); {REDOWNLOAD}") from None
         except (RecursionError, ValueError) as err:
@@ -174,12 +297,13 @@ class CheckpointFiles:
                 f"{REDOWNLOAD}"
             )
         for name, file in weight_map.items():
+            check_tensor_name(name, index)
             check_file_name(file, f"{index}: weight_map[{name!r}]")
         by_file: dict[str, list[str]] = {}
         for name, file in weight_map.items():
             by_file.setdefault(file, []).append(name)
         for file, names in sorted(by_file.items()):
-            if not (self.path / file).exists():
+            if not os.path.lexists(self.path / file):  # a broken link is named by resolved()
                 raise CheckpointError(
                     f"{self.path / file}: shard file is missing; {INDEX_FILE} names it for "
                     f"{len(names)} tensor(s), e.g. {format_keys(names[:3])}; {REDOWNLOAD}"
@@ -190,15 +314,15 @@ class CheckpointFiles:
         """The file ``file`` names inside the directory, symlinks followed (cached).
 
         Raises:
-            CheckpointError: an unsafe name, or it does not lead to a regular file.
+            CheckpointError: an unsafe name, or it does not lead to a regular file inside
+                the checkpoint (``confined``).
         """
         if file not in self._resolved:
             check_file_name(file, f"{self.path}: shard file")
             path = self.path / file
-            if not path.is_file():
-                what = "missing" if not path.exists() else "not a regular file"
-                raise CheckpointError(f"{path}: shard file is {what}; {REDOWNLOAD}")
-            self._resolved[file] = path.resolve()
+            if not os.path.lexists(path):
+                raise CheckpointError(f"{path}: shard file is missing; {REDOWNLOAD}")
+            self._resolved[file] = confined(path, "shard file", REDOWNLOAD)
         return self._resolved[file]
 
     def entries(self, file: str) -> dict[str, TensorEntry]:
@@ -218,6 +342,8 @@ class CheckpointFiles:
                     f"{shown}: not a readable safetensors file ({err}); the file is truncated "
                     f"or corrupt: {REDOWNLOAD}"
                 ) from None
+            for name in names:
+                check_tensor_name(name, shown)
             counted = len(names) + sum(map(len, self._entries.values()))
             if counted > MAX_TENSORS:
                 raise CheckpointError(
@@ -228,8 +354,12 @@ class CheckpointFiles:
                 )
             try:
                 entries = read_header(path)
-            except (ValueError, OSError) as err:
+            except NotImplementedError as err:  # a dtype megamoe does not read
+                raise UnsupportedCheckpointError(f"{shown}: {err}") from None
+            except ValueError as err:
                 raise CheckpointError(f"{shown}: {err}; {REDOWNLOAD}") from None
+            except OSError as err:
+                raise CheckpointError(f"{shown}: cannot be read ({err.strerror or err})") from None
             if set(entries) != names:
                 raise CheckpointError(f"{shown}: the file changed while it was read; retry")
             self._entries[file] = entries

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -42,6 +43,7 @@ from megamoe.core.checkpoint.expert_names import (
     EXPERT_PROJS,
     FUSED_DOWN,
     FUSED_GATE_UP,
+    MAX_INDEX_DIGITS,
     WEIGHT,
     TensorSpec,
     checkpoint_kinds,
@@ -58,6 +60,7 @@ from megamoe.core.checkpoint.files import (
     REDOWNLOAD,
     SINGLE_FILE,
     CheckpointFiles,
+    confined,
     refuse_duplicate_keys,
     unreadable_json,
 )
@@ -108,27 +111,39 @@ _T = TypeVar("_T")
 MOE_MODULES = frozenset(
     {"experts", "gate", "shared_expert", "shared_experts", "shared_expert_gate"}
 )
-_MLP_MODULE = re.compile(r"^(?P<stack>.+?)\.(?P<index>\d+)\.mlp\.(?P<module>[^.]+)\.")
+# The index is bounded for int() (CheckpointFiles refuses longer ones before this runs).
+_MLP_MODULE = re.compile(
+    rf"^(?P<stack>.+?)\.(?P<index>\d{{1,{MAX_INDEX_DIGITS}}})\.mlp\.(?P<module>[^.]+)\."
+)
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
     """The parsed ``config.json`` of a checkpoint directory.
 
+    ``config.json`` may be a symlink leading inside the checkpoint (or, for a Hugging Face
+    cache snapshot, its repository's ``blobs/``), as its shards may (``files.confined``).
+
     Raises:
-        CheckpointError: the directory or its config is missing or not a JSON object.
+        CheckpointError: the directory or its config is missing, leads outside the
+            checkpoint, or is not a JSON object.
     """
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory; expected a Hugging Face checkpoint dir")
     config_path = path / CONFIG_FILE
-    if not config_path.is_file():
+    if not os.path.lexists(config_path):
         raise CheckpointError(f"{path}: no {CONFIG_FILE}; expected a Hugging Face checkpoint dir")
-    if config_path.stat().st_size > MAX_CONFIG_BYTES:
+    source = confined(config_path, CONFIG_FILE, f"put the model's {CONFIG_FILE} there")
+    try:
+        size = source.stat().st_size
+    except OSError as err:
+        raise CheckpointError(f"{config_path}: cannot be read ({err.strerror})") from None
+    if size > MAX_CONFIG_BYTES:
         raise CheckpointError(
             f"{config_path}: larger than {MAX_CONFIG_BYTES} bytes; not a model config"
         )
     try:
-        config = json.loads(config_path.read_bytes(), object_pairs_hook=refuse_duplicate_keys)
+        config = json.loads(source.read_bytes(), object_pairs_hook=refuse_duplicate_keys)
     except (json.JSONDecodeError, UnicodeDecodeError, CheckpointError) as err:
         raise CheckpointError(f"{config_path}: not valid JSON ({err})") from None
     except (RecursionError, ValueError) as err:
@@ -515,6 +530,9 @@ class CheckpointReader:
         piece = self.fused_piece(name)
         stored = name if piece is None else piece.stored
         file = self.file_of(stored).name
+        empty = self._empty(name, piece)
+        if empty is not None:
+            return empty
         try:
             with safe_open(self.files.resolved(file), framework="pt") as f:
                 return _read(f, name, piece)
@@ -522,6 +540,17 @@ class CheckpointReader:
             raise CheckpointError(
                 f"{self.path / file}: reading tensor {name!r} failed ({err})"
             ) from None
+
+    def _empty(self, name: str, piece: FusedPiece | None) -> torch.Tensor | None:
+        """Tensor ``name`` built from its header when it holds no element, else None.
+
+        An empty tensor has nothing to read, and safetensors' reader is not trusted with
+        the huge dimensions an empty tensor may declare (the header check bounds them).
+        """
+        if piece is not None:
+            return None
+        spec = self.files.spec(name)
+        return None if math.prod(spec.shape) else torch.empty(spec.shape, dtype=spec.dtype)
 
     def read_projection(
         self, stem: str, fmt: WeightFormat
@@ -623,7 +652,9 @@ class CheckpointReader:
             try:
                 with safe_open(self.files.resolved(file), framework="pt") as f:
                     for name in sorted(names):
-                        yield name[len(head) :], _read(f, name, self.fused_piece(name))
+                        piece = self.fused_piece(name)
+                        empty = self._empty(name, piece)
+                        yield name[len(head) :], _read(f, name, piece) if empty is None else empty
             except CheckpointError:
                 raise
             except Exception as err:

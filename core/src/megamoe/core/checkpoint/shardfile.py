@@ -25,6 +25,8 @@ HEADER_LENGTH_BYTES = 8  # u64 little-endian
 HEADER_ALIGN = 8  # the header is padded with spaces to a multiple of 8 bytes
 METADATA_KEY = "__metadata__"
 COPY_CHUNK_BYTES = 16 * 1024 * 1024  # 16 MiB per read when copying raw bytes
+INT64_MAX = 2**63 - 1  # 9223372036854775807: torch's largest size, stride or element count
+MAX_SHOWN_DIMS = 8  # dimensions of a refused shape named in its message
 # A new file only: never an existing file, nor through a symlink planted at its name.
 CREATE_NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -81,42 +83,77 @@ def read_header(path: str | Path) -> dict[str, TensorEntry]:
     Call this on files already checked with ``safe_open`` (``CheckpointFiles`` does),
     which validates coverage and offsets; this parser still bounds every read by the file
     size and refuses what it cannot parse, so a file changed in between cannot crash it.
+    Messages name the tensor at fault but not the file: the caller names it.
 
     Returns:
         Every tensor's entry, with absolute file offsets.
 
     Raises:
-        ValueError: the header cannot be parsed, naming the tensor where one is at fault.
+        ValueError: the header cannot be parsed, or a shape no torch tensor can have
+            (``check_shape``).
+        NotImplementedError: a dtype megamoe does not read (``SAFETENSORS_TO_DTYPE``).
+        OSError: the file cannot be read.
     """
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         prefix = f.read(HEADER_LENGTH_BYTES)
         if len(prefix) < HEADER_LENGTH_BYTES:
-            raise ValueError(f"{path}: {size} bytes, too short for a safetensors header")
+            raise ValueError(f"{size} bytes, too short for a safetensors header")
         (length,) = struct.unpack("<Q", prefix)
         if length > size - HEADER_LENGTH_BYTES:
-            raise ValueError(f"{path}: header length {length} exceeds the file ({size} bytes)")
+            raise ValueError(f"header length {length} exceeds the file ({size} bytes)")
         try:
             header = json.loads(f.read(length))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"{path}: safetensors header is not valid JSON ({err})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+            raise ValueError(f"safetensors header is not valid JSON ({err})") from None
     if not isinstance(header, dict):
-        raise ValueError(f"{path}: safetensors header is not a JSON object")
+        raise ValueError("safetensors header is not a JSON object")
     start = HEADER_LENGTH_BYTES + length
     entries = {}
     for name, info in header.items():
         if name == METADATA_KEY:
             continue
+        dtype_name = info.get("dtype") if isinstance(info, dict) else None
+        if isinstance(dtype_name, str) and dtype_name not in SAFETENSORS_TO_DTYPE:
+            raise NotImplementedError(
+                f"tensor {name!r} has safetensors dtype {dtype_name!r}, which megamoe does not "
+                f"read (it reads {', '.join(SAFETENSORS_TO_DTYPE)}): store the tensor in one "
+                "of those, or remove it"
+            )
         try:
             begin, end = (int(v) for v in info["data_offsets"])
             shape = tuple(int(v) for v in info["shape"])
             dtype = dtype_from_safetensors(info["dtype"])
         except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"{path}: tensor {name!r}: bad header entry ({err})") from None
+            raise ValueError(f"tensor {name!r}: bad header entry ({err})") from None
+        check_shape(name, shape)
         if not 0 <= begin <= end <= size - start:
-            raise ValueError(f"{path}: tensor {name!r}: data_offsets lie outside the file")
+            raise ValueError(f"tensor {name!r}: data_offsets lie outside the file")
         entries[name] = TensorEntry(dtype, shape, start + begin, start + end)
     return entries
+
+
+def check_shape(name: str, shape: tuple[int, ...]) -> None:
+    """Refuse a shape no torch tensor can have, before torch overflows on it.
+
+    safetensors accepts any dimension below 2**64 in an empty tensor (one of its
+    dimensions 0): its byte count is 0 whatever the others. torch holds sizes and strides
+    in int64, and a contiguous tensor's strides are products of its sizes (0 counted as 1).
+
+    Raises:
+        ValueError: a negative dimension, or dimensions (zeros counted as 1) whose product
+            exceeds ``INT64_MAX``; names the tensor and its shape.
+    """
+    product = 1
+    for dim in shape:  # stops at the first overflow: a long shape costs no huge product
+        product *= max(dim, 1)
+        if dim < 0 or product > INT64_MAX:
+            shown = list(shape[:MAX_SHOWN_DIMS]) + (["..."] if len(shape) > MAX_SHOWN_DIMS else [])
+            raise ValueError(
+                f"tensor {name!r} has shape {shown}: its dimensions (zeros counted as 1) "
+                "must be non-negative with a product of at most 2**63 - 1, the int64 sizes "
+                "and strides of a torch tensor; no tensor has this shape"
+            )
 
 
 def read_tensor(
