@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from megamoe.core.errors import CheckpointError
 from megamoe.qwen4exp.config import Qwen4ExpConfig
 
 BASE: dict[str, Any] = {
@@ -93,12 +94,17 @@ def test_from_json_reads_file_and_directory(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({**BASE, "num_nextn_predict_layers": 1}))
     assert Qwen4ExpConfig.from_json(tmp_path).num_nextn_predict_layers == 1
     assert Qwen4ExpConfig.from_json(tmp_path / "config.json").hidden_size == 256
-    (tmp_path / "bad.json").write_text("{not json")
-    with pytest.raises(ValueError, match=r"bad\.json: not valid JSON"):
-        Qwen4ExpConfig.from_json(tmp_path / "bad.json")
-    (tmp_path / "list.json").write_text("[1]")
-    with pytest.raises(ValueError, match=r"expected a JSON object, got list"):
-        Qwen4ExpConfig.from_json(tmp_path / "list.json")
+    with pytest.raises(CheckpointError, match=r"other\.json: Qwen4ExpConfig.from_json reads"):
+        Qwen4ExpConfig.from_json(tmp_path / "other.json")
+    for name, text, message in [
+        ("bad", "{not json", r"bad/config\.json: not valid JSON"),
+        ("list", "[1]", r"expected a JSON object, got list"),
+        ("twice", '{"hidden_size": 1, "hidden_size": 2}', r"key 'hidden_size' appears twice"),
+    ]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(text)
+        with pytest.raises(CheckpointError, match=message):  # read as every command reads it
+            Qwen4ExpConfig.from_json(tmp_path / name)
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,8 @@ from megamoe.core.checkpoint.hf_config import (
     swiglu_act,
     text_config,
 )
+from megamoe.core.checkpoint.reader import CONFIG_FILE, read_config
+from megamoe.core.errors import CheckpointError
 
 MODEL_NAME = "Qwen4Exp"
 MODEL_TYPE = "qwen4_exp"  # composite (vision-language) config, the hub release
@@ -157,22 +158,23 @@ class Qwen4ExpConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> Qwen4ExpConfig:
-        """Read ``config.json`` (or a checkpoint directory holding it).
+        """Read a checkpoint directory's ``config.json`` (the directory, or that file).
+
+        Read as every megamoe command reads it (``checkpoint.reader.read_config``: bounded
+        size, no duplicate keys, a symlink only into the checkpoint).
 
         Raises:
-            FileNotFoundError: no such file.
-            ValueError: invalid JSON or keys (see ``from_dict``).
+            CheckpointError: no such directory or file, a file not named ``config.json``,
+                invalid JSON (a ``ValueError``).
+            ValueError: invalid keys (see ``from_dict``).
         """
         path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}: not valid JSON ({err})") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
-        return cls.from_dict(data)
+        if not path.is_dir() and path.name != CONFIG_FILE:
+            raise CheckpointError(
+                f"{path}: Qwen4ExpConfig.from_json reads a checkpoint directory or its "
+                f"{CONFIG_FILE}; pass the directory"
+            )
+        return cls.from_dict(read_config(path if path.is_dir() else path.parent))
 
     @property
     def swiglu_limit(self) -> float | None:
