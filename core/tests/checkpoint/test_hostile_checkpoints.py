@@ -631,28 +631,30 @@ def _search(pattern: str, text: str) -> bool:
     return re.search(pattern, " ".join(text.split())) is not None
 
 
-def _hugging_face_cache(tmp_path: Path) -> tuple[Path, Path]:
+def _hugging_face_cache(tmp_path: Path, subfolder: str = "") -> tuple[Path, Path]:
     """A checkpoint laid out as Hugging Face's cache does: ``<repo>/snapshots/<revision>/``
-    holds symlinks to ``../../blobs/<hash>``, for config.json and the index too.
+    (or a ``subfolder`` of it) holds symlinks to ``../../blobs/<hash>`` (one ``..`` more per
+    folder), for config.json and the index too.
 
     Returns:
-        The snapshot directory and the repository's ``blobs/``.
+        The checkpoint directory and the repository's ``blobs/``.
     """
     repo = tmp_path / "hub" / "models--org--toy"
-    snapshot, blobs = repo / "snapshots" / "0123abcd", repo / "blobs"
+    snapshot, blobs = repo / "snapshots" / "0123abcd" / subfolder, repo / "blobs"
     write_synthetic_checkpoint(snapshot, "toymoe", "bf16", SIZES, max_shard_bytes=300_000)
     blobs.mkdir()
     for file in sorted(snapshot.iterdir()):
         blob = blobs / hashlib.sha256(file.read_bytes()).hexdigest()
         file.rename(blob)
-        os.symlink(Path("..", "..", "blobs", blob.name), file)
+        os.symlink(os.path.relpath(blob, snapshot), file)
     return snapshot, blobs
 
 
+@pytest.mark.parametrize("subfolder", ["", "weights"])
 def test_a_hugging_face_cache_snapshot_is_read_through_its_links(
-    tmp_path: Path, toy_adapter, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, toy_adapter, capsys: pytest.CaptureFixture[str], subfolder: str
 ) -> None:
-    snapshot, blobs = _hugging_face_cache(tmp_path)
+    snapshot, blobs = _hugging_face_cache(tmp_path, subfolder)
     assert all(f.is_symlink() for f in snapshot.iterdir())
     reader, _ = open_checkpoint(snapshot)
     shard = reader.file_of(EXPERT + ".weight")

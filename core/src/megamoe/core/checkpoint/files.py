@@ -139,11 +139,13 @@ def checkpoint_roots(directory: Path) -> list[Path]:
 
     The directory itself, and for a Hugging Face cache snapshot
     (``models--org--name/snapshots/<revision>``, whose files link to ``../../blobs/<hash>``)
-    the repository's ``blobs/``.
+    or a folder inside one (a repository that keeps its weights in a subfolder) the
+    repository's ``blobs/``.
     """
     root = directory.resolve()
-    if root.parent.name == "snapshots":
-        return [root, root.parent.parent / "blobs"]
+    for folder in (root, *root.parents):
+        if folder.parent.name == "snapshots":
+            return [root, folder.parent.parent / "blobs"]
     return [root]
 
 
