@@ -19,6 +19,7 @@ Times are the machine's host CPU's: compare rows of one run (and runs of one mac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import time
 import types
@@ -65,8 +66,13 @@ def least_us(fn: Callable[[], object], calls: int, rounds: int) -> float:
 def small_batch_call(name: str, device: torch.device, max_tokens: int) -> tuple[Any, Any]:
     """The layer's ``SmallBatchExperts`` and ``ExpertWeights`` (uninitialized weights)."""
     experts, top_k, hidden, inter, limit, _ = LAYERS[name]
+    # Without a device the SM count is the H200's; with one, its own (patching the device
+    # properties there would break CUDA's lazy initialization, which asks them too).
     props = types.SimpleNamespace(multi_processor_count=H200_SMS)
-    with mock.patch.object(torch.cuda, "get_device_properties", return_value=props):
+    no_device = contextlib.nullcontext() if device.type == "cuda" else mock.patch.object(
+        torch.cuda, "get_device_properties", return_value=props
+    )
+    with no_device:
         call = kernels.SmallBatchExperts(
             num_experts=experts, first_expert=0, top_k=top_k, hidden=hidden, intermediate=inter,
             swiglu_limit=limit, max_tokens=max_tokens, device=device,
@@ -109,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             inputs = (weights, x, None, topk_weights, ids.to(device))
             us = least_us(functools.partial(call.forward, *inputs), args.calls, args.rounds)
             tiles = kernels.tiles_for(tokens, top_k, experts)
-            label = next(n for n in ("DECODE", "MIDSIZE", "BATCH")
+            label = next(n for n in ("DECODE", "MIDSIZE", "BATCH", "WIDE")
                          if getattr(kernels, f"{n}_TILES") is tiles)  # fmt: skip
             rows.append({"layer": name, "tokens": tokens, "tiles": label, "host us": us})
             print(format_table(COLUMNS, [[rows[-1][c] for c, _ in COLUMNS]]).splitlines()[-1],
