@@ -47,7 +47,7 @@ REGISTER_STEP = 256  # registers are allocated per warp in steps of this many
 SHARED_PER_SM = 233472  # 228 KB
 SHARED_RESERVED = 1024  # per program
 WARPS_PER_SM = 64
-PRODUCTION = ("DECODE_TILES", "MIDSIZE_TILES", "BATCH_TILES")
+PRODUCTION = ("DECODE_TILES", "MIDSIZE_TILES", "BATCH_TILES", "WIDE_TILES")
 COLUMNS = [
     ("layer", "<10"),
     ("tiles", "<40"),

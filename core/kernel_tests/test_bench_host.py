@@ -22,7 +22,7 @@ def test_the_host_benchmark_times_each_layer_and_token_count(tmp_path: Path) -> 
     testing = str(ROOT / "testing")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [testing, env.get("PYTHONPATH")]))
     run = subprocess.run(
-        [sys.executable, str(TOOL), "--tokens", "1,600", "--calls", "20", "--rounds", "2",
+        [sys.executable, str(TOOL), "--tokens", "1,600,1400,2000", "--calls", "20", "--rounds", "2",
          "--json", str(report)],
         env=env, capture_output=True, text=True, cwd=ROOT, check=False,
     )  # fmt: skip
@@ -30,9 +30,12 @@ def test_the_host_benchmark_times_each_layer_and_token_count(tmp_path: Path) -> 
     result = json.loads(report.read_text())
     rows = {(row["layer"], row["tokens"]): row for row in result["rows"]}
     assert set(rows) == {(layer, tokens) for layer in ("qwen4exp", "glm53flash")
-                         for tokens in (1, 600)}  # fmt: skip
+                         for tokens in (1, 600, 1400, 2000)}  # fmt: skip
     assert rows[("qwen4exp", 1)]["tiles"] == "DECODE"
     assert rows[("qwen4exp", 600)]["tiles"] == "MIDSIZE"  # 11.7 pairs per expert
     assert rows[("glm53flash", 600)]["tiles"] == "MIDSIZE"  # 16.7
+    assert rows[("qwen4exp", 1400)]["tiles"] == "BATCH"  # 27.3
+    assert rows[("qwen4exp", 2000)]["tiles"] == "WIDE"  # 39.1
+    assert rows[("glm53flash", 1400)]["tiles"] == "WIDE"  # 38.9
     assert all(row["host us"] > 0 for row in rows.values())
     assert set(result["grid_helpers_us"]) == {"triton.cdiv", "launch.cdiv"}

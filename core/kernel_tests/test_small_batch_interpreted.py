@@ -180,16 +180,16 @@ def test_every_tile_shape_gives_the_same_bits(
     references: dict[tuple[float | None, bool], MegaMoEExperts],
     mode: str,
 ) -> None:
-    """The three tile shapes, forced at 128 tokens (every first slot on expert 3 gives it 128
-    pairs: 4 tiles of 32, 8 of 16) and the batch tiles claiming their items; then on 4 SMs
-    the persistent programs again, each taking or claiming many items, and the decode grid
-    with l2 waiting per expert (l1's programs no longer run at once); a quarter of the
-    experts are another rank's (ids 0-3), skipped; the per-expert counts are zero after
-    every call, and every claimed item was claimed once (the counters end at the items plus
-    one failed claim per program)."""
+    """The four tile shapes, forced at 128 tokens (every first slot on expert 3 gives it 128
+    pairs: 2 tiles of 64, 4 of 32, 8 of 16), the persistent ones claiming their items; then
+    on 4 SMs the persistent programs again, each claiming or taking in turn many items, and
+    the decode grid with l2 waiting per expert (l1's programs no longer run at once); a
+    quarter of the experts are another rank's (ids 0-3), skipped; the per-expert counts are
+    zero after every call, and every claimed item was claimed once (the counters end at the
+    items plus one failed claim per program)."""
     kernels = gpu_like_interpreter
     first = EXPERTS // 4
-    claiming = with_variant(monkeypatch, kernels, "BATCH_TILES", claim=True)
+    taking = with_variant(monkeypatch, kernels, "BATCH_TILES", claim=False)
     experts = kernel_weights(kernels, references[(10.0, True)], first)
     call = kernel_call(kernels, 10.0, first)
     x, weights, ids = routing(128, seed=7, mode=mode)
@@ -198,17 +198,20 @@ def test_every_tile_shape_gives_the_same_bits(
     local = (ids >= first).logical_and(ids < EXPERTS)
     expected = call.forward(experts, x, None, weights, ids.masked_fill(~local, -1))
     results = {}
-    for name in ("DECODE_TILES", "MIDSIZE_TILES", "BATCH_TILES"):
+    claims = []
+    for name in ("DECODE_TILES", "MIDSIZE_TILES", "BATCH_TILES", "WIDE_TILES"):
         force_tiles(monkeypatch, kernels, name)
         results[name] = call.forward(experts, x, None, weights, ids)
-    claims = []
-    for sms in (132, 4):
-        monkeypatch.setattr(call, "_sms", sms)
-        force_tiles(monkeypatch, kernels, claiming)
-        results[f"claiming on {sms} SMs"] = call.forward(experts, x, None, weights, ids)
-        claims.append(claim_counters(kernels, call, ids.numel(), claiming, sms))
+        if getattr(kernels, name).claim:
+            claims.append(claim_counters(kernels, call, ids.numel(), getattr(kernels, name), 132))
+    monkeypatch.setattr(call, "_sms", 4)
     force_tiles(monkeypatch, kernels, "BATCH_TILES")
-    results["BATCH_TILES, 8 l1 and 12 l2 programs"] = call.forward(experts, x, None, weights, ids)
+    results["BATCH_TILES claiming on 4 SMs"] = call.forward(experts, x, None, weights, ids)
+    claims.append(claim_counters(kernels, call, ids.numel(), kernels.BATCH_TILES, 4))
+    force_tiles(monkeypatch, kernels, taking)
+    results["BATCH_TILES taking in turn, 8 l1 and 12 l2 programs"] = call.forward(
+        experts, x, None, weights, ids
+    )
     force_tiles(monkeypatch, kernels, "DECODE_TILES")
     results["DECODE_TILES waiting per expert"] = call.forward(experts, x, None, weights, ids)
     for name, got in results.items():
@@ -243,11 +246,11 @@ def test_the_route_table_groups_the_pairs_by_expert(
 ) -> None:
     """At 600 tokens (2400 pairs: three counting programs) the table holds each expert's
     count, their offsets, the active experts in order, each expert's pairs (in any order)
-    and the persistent programs' expert tiles of 32 pairs."""
+    and the persistent programs' expert tiles of 64 pairs, and the claim counters."""
     kernels = gpu_like_interpreter
     tokens, call = 600, calls[None]
     x, weights, ids = routing(tokens, seed=5)
-    assert kernels.tiles_for(tokens, TOP_K, EXPERTS) is kernels.BATCH_TILES
+    assert kernels.tiles_for(tokens, TOP_K, EXPERTS) is kernels.WIDE_TILES
     call.forward(kernel_weights(kernels, references[(None, True)]), x, None, weights, ids)
     pairs, table = ids.numel(), call._table
     flat = ids.flatten().long()
@@ -263,11 +266,12 @@ def test_the_route_table_groups_the_pairs_by_expert(
         held = grouped[offsets[expert] : offsets[expert] + counts[expert]].sort().values
         assert torch.equal(held, (flat == expert).nonzero().flatten().int()), f"expert {expert}"
     tiles = table[3 * EXPERTS + 1 + 2 * pairs :]
-    block_m = kernels.BATCH_TILES.block_m
+    block_m = kernels.WIDE_TILES.block_m
     expected = [e * kernels.TILE_LIMIT + t for e in range(EXPERTS)
                 for t in range(-(-int(counts[e]) // block_m))]  # fmt: skip
     assert int(tiles[0]) == len(expected)
-    assert tiles[1 : kernels.TILES_HEADER].tolist() == [0, 0]  # no claims: taken in turn
+    counted, expected_claims = claim_counters(kernels, call, pairs, kernels.WIDE_TILES, call._sms)
+    assert counted == expected_claims  # each item claimed once, one failed claim per program
     assert tiles[kernels.TILES_HEADER : kernels.TILES_HEADER + len(expected)].tolist() == expected
 
 
@@ -275,15 +279,18 @@ def test_the_route_table_groups_the_pairs_by_expert(
     ("experts", "top_k", "tokens", "expected"),
     [(512, 10, 511, "DECODE_TILES"), (512, 10, 512, "MIDSIZE_TILES"),
      (512, 10, 1228, "MIDSIZE_TILES"), (512, 10, 1229, "BATCH_TILES"),
+     (512, 10, 1638, "BATCH_TILES"), (512, 10, 1639, "WIDE_TILES"),
      (288, 8, 864, "MIDSIZE_TILES"), (288, 8, 865, "BATCH_TILES"),
-     (64, 10, 512, "BATCH_TILES")],
+     (288, 8, 1152, "BATCH_TILES"), (288, 8, 1153, "WIDE_TILES"),
+     (64, 10, 512, "WIDE_TILES"), (256, 10, 512, "MIDSIZE_TILES"), (160, 10, 512, "BATCH_TILES")],
 )  # fmt: skip
 def test_the_tiles_follow_the_tokens_and_the_pairs_per_expert(
     gpu_like_interpreter: ModuleType, experts: int, top_k: int, tokens: int, expected: str
 ) -> None:
     """Below 512 tokens the decode tiles; then the decode grid of 32-token tiles while the
     local experts hold at most 24 pairs each on average (Qwen4-Exp's 512 x top-10 to 1228
-    tokens, GLM-5.3-Flash's 288 x top-8 to 864), persistent programs past it."""
+    tokens, GLM-5.3-Flash's 288 x top-8 to 864), persistent programs past it, on 32-token
+    tiles to 32 pairs per expert (1638 and 1152 tokens) and 64-token ones past that."""
     kernels = gpu_like_interpreter
     assert kernels.tiles_for(tokens, top_k, experts) is getattr(kernels, expected)
 

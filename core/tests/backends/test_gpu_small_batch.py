@@ -38,7 +38,7 @@ SHAPES = {
 MAX_TOKENS = 256
 BATCH_TOKENS = 600  # from 512 tokens the kernels take their batch tiles
 # the tile shapes from 512 tokens, forced: the decode grid of 32-token tiles, persistent ones
-BATCH_TILE_SHAPES = ["MIDSIZE_TILES", "BATCH_TILES"]
+BATCH_TILE_SHAPES = ["MIDSIZE_TILES", "BATCH_TILES", "WIDE_TILES"]
 
 pytestmark = [
     pytest.mark.gpu,
@@ -284,19 +284,19 @@ def test_every_tile_shape_and_grouping_gives_the_same_bits(
 ) -> None:
     """From 512 tokens counting programs and a place launch group the pairs (12 blocks here,
     more than a place program sums per step) for the persistent programs and for the decode
-    grid of 32-token tiles; the decode tiles, grouped by one program, and the persistent
-    programs claiming their items (their atomic claims racing) give the same bits again. A
-    third of the experts are another rank's."""
+    grid of 32-token tiles; the persistent programs claim their items (their atomic claims
+    racing) in tiles of 64 and 32 tokens, or take them in turn; the decode tiles are grouped
+    by one program: all give the same bits. A third of the experts are another rank's."""
     kernels = importlib.import_module(KERNEL_MODULE)
-    claiming = with_variant(monkeypatch, kernels, "BATCH_TILES", claim=True)
+    taking = with_variant(monkeypatch, kernels, "WIDE_TILES", claim=False)
     first, tokens = SHAPES["qwen4exp"][0] // 3, 1200
     weights, call = kernel_call("qwen4exp", first, tokens)
     x, topk_weights, ids = routing("qwen4exp", tokens, seed=17, mode=mode)
     if mode == "one":
         ids[:, 0] = first + 1  # a local expert: 1200 of its pairs, 38 tiles
-    assert kernels.tiles_for(tokens, call.top_k, call.num_experts) is kernels.BATCH_TILES
+    assert kernels.tiles_for(tokens, call.top_k, call.num_experts) is kernels.WIDE_TILES
     persistent = call.forward(weights, x, None, topk_weights, ids)
-    for tiles in ("MIDSIZE_TILES", "DECODE_TILES", claiming):
+    for tiles in ("MIDSIZE_TILES", "DECODE_TILES", "BATCH_TILES", taking):
         force_tiles(monkeypatch, kernels, tiles)
         got = call.forward(weights, x, None, topk_weights, ids)
         assert_bitwise_equal(got, persistent, f"{mode} {tiles}")

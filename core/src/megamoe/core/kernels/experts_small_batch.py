@@ -21,8 +21,9 @@ while the launch before it runs, and wait for it only before reading what it wro
    took 105 us; spread, 33);
 2. **l1** (a program per active expert and 64 intermediate columns; from 512 tokens, once
    an expert holds more than ``MIDSIZE_PAIRS_PER_EXPERT`` pairs on average,
-   ``Tiles.l1_per_sm`` persistent programs per SM, each taking (expert tile, 64 columns)
-   items in turn, or claiming them from a counter, ``Tiles.claim``): the gate and up rows
+   ``Tiles.l1_per_sm`` persistent programs per SM, each claiming (expert tile, 64 columns)
+   items from a counter, ``Tiles.claim``; tiles of 64 tokens past
+   ``WIDE_PAIRS_PER_EXPERT`` pairs per expert): the gate and up rows
    of the block-FP8 ``w13`` (stored with gate and up rows interleaved in groups of 8,
    ``l1_order``) against the expert's tokens, 128x128 float32 block scales, SwiGLU with the
    layer's clamp, times the top-k weight, cast to FP8 with a power-of-two scale per 64
@@ -41,9 +42,9 @@ while the launch before it runs, and wait for it only before reading what it wro
 Every active expert's weights are streamed once per tile of ``block_m`` of its tokens: once
 per call at decode sizes, where one tile holds them (one program loops over its tiles, of
 32 tokens from 512 tokens on); with more pairs per expert its tiles are items that the
-persistent programs take side by side (each tile after the first cost about one more
-stream of the weights on the H200: Qwen4-Exp at 4096 tokens took 3.05x the floor with
-about 3 tiles per expert). They come in tiles that the
+persistent programs take side by side (each tile after the first cost about half a
+stream of the weights more on the H200, read from L2: Qwen4-Exp at 4096 tokens took 3.15x
+the floor with about 3 tiles of 32 per expert). They come in tiles that the
 Tensor Memory Accelerator copies (host-side tensor descriptors over the resident ``w13``
 and ``w2``, made once per tensor and tile shape). The numerics are the Hopper kernel's, so
 the reference backend's emulation (``emulate_kernel=True``) is the oracle of both; the GEMMs
@@ -78,6 +79,7 @@ __all__ = [
     "BATCH_TILES",
     "DECODE_TILES",
     "MIDSIZE_TILES",
+    "WIDE_TILES",
     "ExpertWeights",
     "SmallBatchExperts",
     "Tiles",
@@ -143,10 +145,10 @@ class Tiles:
     ``claim``: persistent programs claim their items one at a time from a counter (an
     atomic add each, the next claimed while the current one runs) in place of taking every
     so many: the items run in about the order they are listed, whatever the programs' pace,
-    so an expert's tiles (listed side by side) stream its weights together, the later ones
-    from L2. Taken in turn, the items of one expert drift apart over a call: Qwen4-Exp's
-    layer took about one more stream of the weights per tile past the first (3.07x the
-    floor at 4096 tokens, three tiles an expert). Not yet measured on the GPU.
+    so an expert's tiles (listed side by side) stream its weights together. On the H200
+    (2026-12-05, ``bench_tiles.py``) GLM-5.3-Flash's layer took 7-9% less at 1024-4096
+    tokens (2093.6 to 1949.0 us at 1024), Qwen4-Exp's changed by under 1%: its tiles past
+    the first still cost about half a stream of its weights each, read from L2.
     """
 
     block_m: int
@@ -172,13 +174,22 @@ MIDSIZE_TILES = Tiles(
 )  # fmt: skip
 BATCH_TILES = Tiles(
     block_m=32, block_n2=128, warps=4, stages=5, l2_step=1, pdl=False, persistent=True,
-    spread=True,
+    spread=True, claim=True,
+)  # fmt: skip
+# 64-token tiles: 4 stages (two l1 programs of 96 KB fit an SM), two l2 programs per SM
+# (each needs 249 registers a thread)
+WIDE_TILES = Tiles(
+    block_m=64, block_n2=128, warps=4, stages=4, l2_step=1, pdl=False, persistent=True,
+    spread=True, l2_per_sm=2, claim=True,
 )  # fmt: skip
 # From 512 tokens: the decode grid on 32-token tiles while the call's pairs per local expert
 # are at most this (three quarters of a tile: few experts hold a second one, which their
 # program would stream after the first), the persistent programs past it (docs/gpu.md).
 MIDSIZE_PAIRS_PER_EXPERT = 24
-ALL_TILES = (DECODE_TILES, MIDSIZE_TILES, BATCH_TILES)
+# Past this many pairs per local expert on average, 64-token tiles (one tile holds most
+# experts' pairs, where 32-token ones need two or more, each streaming the weights again).
+WIDE_PAIRS_PER_EXPERT = 32
+ALL_TILES = (DECODE_TILES, MIDSIZE_TILES, BATCH_TILES, WIDE_TILES)
 # Up to this many (token, slot) pairs, when the router already wrote the FP8 tokens, the l1
 # and l2 programs find their expert's pairs by scanning the ids: no route launch at all.
 SCAN_PAIRS = 64
@@ -189,7 +200,8 @@ def tiles_for(tokens: int, top_k: int, num_experts: int) -> Tiles:
 
     ``top_k`` slots per token over ``num_experts`` local experts: from 512 tokens the pairs
     an expert holds on average choose between the decode grid's 32-token tiles and the
-    persistent programs (``MIDSIZE_PAIRS_PER_EXPERT``).
+    persistent programs (``MIDSIZE_PAIRS_PER_EXPERT``), and these between 32- and 64-token
+    tiles (``WIDE_PAIRS_PER_EXPERT``).
 
     Decode sizes put one or two tokens on most experts: 16-token tiles waste least, and
     l2 programs of 64 columns with 5 stages in flight streamed best (within 4% of the best of
@@ -212,12 +224,19 @@ def tiles_for(tokens: int, top_k: int, num_experts: int) -> Tiles:
     expert holds up to about 25 pairs: Qwen4-Exp 3.0% and 3.1% faster at 512 and 1024 tokens
     (10 and 20 pairs per expert), 0.8% at 1280 (25), 4.6% slower at 1536 (30); GLM-5.3-Flash
     2.5% and 4.6% faster at 512 and 768 (14 and 21), 6.3% slower at 1024 (28; 2026-12-04).
+    Past 32 pairs per expert, 64-token tiles (claiming, 4 stages, 2 l2 programs per SM)
+    against the 32-token ones claiming (2026-12-05): GLM-5.3-Flash 17% and 18% faster at 2048
+    and 4096 tokens (57 and 114 pairs per expert; 2680.4 against 3241.3 us at 2048),
+    Qwen4-Exp 8.4% faster at 2048 (40) and 1.1% slower at 4096 (80); at 28 pairs
+    (GLM-5.3-Flash, 1024 tokens) 11% slower.
     """
     if tokens < 512:
         return DECODE_TILES
     if tokens * top_k <= MIDSIZE_PAIRS_PER_EXPERT * num_experts:
         return MIDSIZE_TILES
-    return BATCH_TILES
+    if tokens * top_k <= WIDE_PAIRS_PER_EXPERT * num_experts:
+        return BATCH_TILES
+    return WIDE_TILES
 
 
 def most_expert_tiles(pairs: int, num_experts: int, block_m: int) -> int:
