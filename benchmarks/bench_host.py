@@ -69,8 +69,10 @@ def small_batch_call(name: str, device: torch.device, max_tokens: int) -> tuple[
     # Without a device the SM count is the H200's; with one, its own (patching the device
     # properties there would break CUDA's lazy initialization, which asks them too).
     props = types.SimpleNamespace(multi_processor_count=H200_SMS)
-    no_device = contextlib.nullcontext() if device.type == "cuda" else mock.patch.object(
-        torch.cuda, "get_device_properties", return_value=props
+    no_device = (
+        contextlib.nullcontext()
+        if device.type == "cuda"
+        else mock.patch.object(torch.cuda, "get_device_properties", return_value=props)
     )
     with no_device:
         call = kernels.SmallBatchExperts(

@@ -93,7 +93,7 @@ def fit(rows: list[dict[str, Any]], column: str, steps: int) -> PathCost:
     works = [(layer_of(row["layer"]), row["tokens"], math.log(row[column])) for row in rows]
 
     def cost(values: torch.Tensor) -> PathCost:
-        constants = {n: 1.0 / v if n in inverse else v for n, v in zip(names, values)}
+        constants = {n: 1.0 / v if n in inverse else v for n, v in zip(names, values, strict=True)}
         constants.update(dict.fromkeys(absent, 0.0))
         return PathCost(**constants)
 
@@ -148,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               f"(the run's counts); checkout's models {was}; fitted {new}")  # fmt: skip
     result = {
         "fitted": {column: dataclasses.asdict(model) for column, model in fitted.items()},
-        "rows": [dict(zip((c for c, _ in COLUMNS), r)) for r in table],
+        "rows": [dict(zip((c for c, _ in COLUMNS), r, strict=True)) for r in table],
         "crossovers": crossovers,
     }
     if args.json:

@@ -69,7 +69,7 @@ def test_the_fit_recovers_the_models_behind_a_run(tool: ModuleType, tmp_path: Pa
 def test_a_file_that_is_not_a_run_is_refused(tool: ModuleType, tmp_path: Path) -> None:
     wrong = tmp_path / "wrong.json"
     wrong.write_text(json.dumps({"layers": []}))
-    with pytest.raises(SystemExit, match="wrong.json is not a bench_decode.py --json"):
+    with pytest.raises(SystemExit, match=r"wrong\.json is not a bench_decode\.py --json"):
         tool.main([str(wrong)])
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"rows": [{"layer": "llama", "tokens": 1, "small": 1.0}]}))
