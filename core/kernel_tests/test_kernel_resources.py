@@ -37,7 +37,7 @@ def test_the_tile_shapes_compile_without_spills_and_their_programs_fit(tmp_path:
     assert run.returncode == 0, run.stdout + run.stderr
     rows = json.loads(report.read_text())
     shapes = {(row["layer"], row["tiles"], row["kernel"]) for row in rows}
-    assert len(shapes) == 2 * 3 * 2, sorted(shapes)  # both layers, three tile shapes, l1 and l2
+    assert len(shapes) == 2 * 4 * 2, sorted(shapes)  # both layers, four tile shapes, l1 and l2
     for row in rows:
         where = f"{row['layer']} {row['tiles']} {row['kernel']}"
         assert row["stack"] == 0, f"{where} spills registers: {row}"
