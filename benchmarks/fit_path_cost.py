@@ -86,7 +86,7 @@ def fit(rows: list[dict[str, Any]], column: str, steps: int) -> PathCost:
     # the constants' logs; bandwidth and FLOP/s enter as their inverses
     inverse = {"bandwidth", "flops"}
     logs = torch.tensor(
-        [-math.log(getattr(start, n)) if n in inverse else math.log(getattr(start, n))
+        [-math.log(getattr(start, n)) if n in inverse else math.log(getattr(start, n) or 1e-3)
          for n in names],
         dtype=torch.float64, requires_grad=True,
     )  # fmt: skip

@@ -19,11 +19,11 @@ from megamoe.core.backends.small_batch import PathCost
 
 ROOT = Path(__file__).resolve().parents[1]
 # Two models unlike the checkout's: a small-batch path twice as costly per program and
-# slower at streaming, a MegaMoE with a larger fixed cost
+# slower at streaming, a MegaMoE with a larger fixed cost; both with a cost per pair
 SMALL = PathCost(fixed_us=15.0, per_slot_us=0.0, per_program_us=0.005, bandwidth=4.2e12,
-                 flops=3.0e14)  # fmt: skip
+                 flops=3.0e14, per_pair_us=0.004)  # fmt: skip
 MEGAMOE = PathCost(fixed_us=80.0, per_slot_us=0.04, per_program_us=0.0, bandwidth=4.0e12,
-                   flops=6.0e14)  # fmt: skip
+                   flops=6.0e14, per_pair_us=0.03)  # fmt: skip
 COUNTS = (1, 4, 16, 64, 256, 1024, 2048, 4096)
 
 
@@ -59,8 +59,9 @@ def test_the_fit_recovers_the_models_behind_a_run(tool: ModuleType, tmp_path: Pa
         assert abs(row["fit error"]) < 0.02, row
     for layer, crossover in result["crossovers"].items():
         work = tool.layer_of(layer)
-        expected = next(t - 1 for t in range(1, 65537)
-                        if work.predicted_us(SMALL, t) > work.predicted_us(MEGAMOE, t))  # fmt: skip
+        expected = next((t - 1 for t in range(1, 65537)
+                         if work.predicted_us(SMALL, t) > work.predicted_us(MEGAMOE, t)),
+                        65536)  # fmt: skip
         assert abs(crossover["fitted"] - expected) <= 0.02 * expected, (layer, crossover)
         measured = max((t for t in COUNTS if t <= expected), default=0)
         assert crossover["measured"] == measured

@@ -6,13 +6,14 @@ three to five Triton launches that read each active expert's weights once). Mega
 fixed cost per call that grows with the layer's experts; the small-batch path pays little
 per call, a little per program of its kernels, and past decode sizes computes less
 efficiently. Both are modelled as ``max(fixed, per_slot * E * top_k) + per_program *
-programs + active bytes / bandwidth + FLOPs / throughput`` (:class:`PathCost`, fitted to
-both real layers' graphed timings on the H200, ``docs/gpu.md``), with the active experts
-expected under uniform routing. A layer takes the small-batch path for every call of up to
+programs + per_pair * local pairs + active bytes / bandwidth + FLOPs / throughput``
+(:class:`PathCost`, fitted to both real layers' graphed timings on the H200 by
+``benchmarks/fit_path_cost.py``, ``docs/gpu.md``), with the active experts expected under
+uniform routing. A layer takes the small-batch path for every call of up to
 :func:`crossover_tokens` tokens, the last token count at which it is predicted no slower;
 so a fixed token count always takes one path and a CUDA graph captures one. (Past 512
-tokens the small-batch kernels stream an expert's weights about once per tile of 32 of its
-tokens, yet Qwen4-Exp at 4096 tokens, 80 per active expert, ran in 0.58 of MegaMoE's time.)
+tokens the small-batch kernels read an expert's weights again per tile of 32 or 64 of its
+tokens, yet Qwen4-Exp at 8192 tokens, 160 per active expert, ran in 0.56 of MegaMoE's time.)
 
 ``experts_path`` (an option of ``MegaMoEExperts`` and of both blocks) forces either path:
 ``"small_batch"`` for every call the layer's ``max_num_tokens`` allows, ``"megamoe"`` for
@@ -54,6 +55,9 @@ class PathCost:
             fill: Qwen4-Exp's experts hold 3.3 times as many per byte as GLM-5.3-Flash's).
         bandwidth: bytes per second at which the active experts' weights stream.
         flops: FLOP/s of the GEMMs beyond what streaming the weights hides.
+        per_pair_us: per (token, slot) pair routed to a local expert: what grows with the
+            tokens beyond the GEMMs' FLOPs (moving rows in and out; the small-batch path's
+            weights read again per tile of pairs).
     """
 
     fixed_us: float
@@ -61,6 +65,7 @@ class PathCost:
     per_program_us: float
     bandwidth: float
     flops: float
+    per_pair_us: float = 0.0
 
 
 # Fitted to one run of bench_decode.py on one H200 (graphed medians of both real layers at
@@ -75,15 +80,25 @@ class PathCost:
 # within 10% at 1-4096 tokens, but no MegaMoE model tried fits past 2048 tokens, and beside
 # this MegaMoE model it would hand Qwen4-Exp to MegaMoE from 3316 tokens, which measured
 # 1.73x slower at 4096: the constants still stay (docs/gpu.md).
-# Where the two paths are within that of each other the rule may pick the slower one
-# (GLM-5.3-Flash at 1024 tokens, seventh session's table: MegaMoE, 2422 us against the
-# small-batch path's 2127).
+# The tenth session (2026-12-05, claiming and 64-token tiles past decode) added the cost
+# per pair to both models, and refitted every constant with ``benchmarks/fit_path_cost.py``
+# to the seventh session's run, its small-batch times from 1024 tokens replaced by this
+# session's ``bench_tiles.py`` medians of the new tiles. This session's ``bench_decode.py``
+# run (1-8192 tokens, docs/gpu.md) falls within 22% of the small-batch model and 30% of
+# MegaMoE's, and the crossovers fall where it measured them: GLM-5.3-Flash at 2342 tokens
+# (its small-batch path 4% faster at 2048, 24% slower at 4096), Qwen4-Exp past the 65536
+# tokens ``crossover_tokens`` is asked for (the small-batch path 0.56 of MegaMoE's time at
+# 8192). A refit to that run alone places GLM-5.3-Flash's at 1361 tokens, where the
+# small-batch path measured faster to 2048, so these constants stay. Where the two paths
+# are within the models' error of each other the rule may pick the slower one.
 SMALL_BATCH_COST = PathCost(
-    fixed_us=12.25, per_slot_us=0.0, per_program_us=0.0026, bandwidth=4.8e12, flops=4.19e14
-)
+    fixed_us=13.8, per_slot_us=0.0, per_program_us=0.00038, bandwidth=4.65e12, flops=7.40e14,
+    per_pair_us=0.0059,
+)  # fmt: skip
 MEGAMOE_COST = PathCost(
-    fixed_us=60.0, per_slot_us=0.0321, per_program_us=0.0, bandwidth=4.51e12, flops=4.97e14
-)
+    fixed_us=60.0, per_slot_us=0.0308, per_program_us=0.0, bandwidth=4.23e12, flops=1.15e15,
+    per_pair_us=0.0194,
+)  # fmt: skip
 # Columns of an expert's intermediate (l1) and hidden (l2) per small-batch program.
 COLUMNS_PER_PROGRAM = 64
 
@@ -124,7 +139,12 @@ class LayerWork:
         flops = 2.0 * local_pairs * self.expert_bytes / cost.flops
         programs = active * (self.hidden + self.intermediate) / COLUMNS_PER_PROGRAM
         overhead = max(cost.fixed_us, cost.per_slot_us * self.num_local_experts * self.top_k)
-        return overhead + cost.per_program_us * programs + 1e6 * (weights + flops)
+        return (
+            overhead
+            + cost.per_program_us * programs
+            + cost.per_pair_us * local_pairs
+            + 1e6 * (weights + flops)
+        )
 
 
 @functools.lru_cache(maxsize=256)
