@@ -70,7 +70,7 @@ LAYERS = {
     "qwen4exp": (512, 10, 2048, 512, None, 512),
     "glm53flash": (288, 8, 4096, 2048, 10.0, 2048),
 }
-DECODE_COUNTS = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096"
+DECODE_COUNTS = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192"
 CONTIGUOUS_FROM = 256  # tokens from which the contiguous peer is measured
 COLUMNS = [
     ("layer", "<10", "layer"),

@@ -54,7 +54,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="1024,1536,2048,3072,4096")
     p.add_argument("--models", default="qwen4exp,glm53flash")
-    p.add_argument("--tiles", default="MIDSIZE_TILES BATCH_TILES",
+    p.add_argument("--tiles", default="MIDSIZE_TILES BATCH_TILES WIDE_TILES",
                    help="tile shapes, space-separated; the first is the baseline")  # fmt: skip
     p.add_argument("--layers", type=int, default=2, help="weight copies per graph")
     p.add_argument("--rounds", type=int, default=5)
