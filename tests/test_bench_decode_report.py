@@ -7,13 +7,12 @@ takes at each count, whatever rule the run itself was taken under.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from benchmark_scripts import load_benchmark
 
 from megamoe.core.backends.small_batch import LayerWork, crossover_tokens
 
@@ -23,17 +22,7 @@ SAVED = ROOT / "docs" / "img" / "decode_h200.json"
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_decode imports its harness
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "bench_decode", ROOT / "benchmarks" / "bench_decode.py"
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    return load_benchmark("bench_decode")
 
 
 def test_the_saved_run_is_reported_with_this_checkouts_rule(

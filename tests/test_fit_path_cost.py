@@ -7,13 +7,12 @@ those models do. A file that is not a bench_decode run is refused by name.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from benchmark_scripts import load_benchmark
 
 from megamoe.core.backends.small_batch import PathCost
 
@@ -29,17 +28,7 @@ COUNTS = (1, 4, 16, 64, 256, 1024, 2048, 4096)
 
 @pytest.fixture(scope="module")
 def tool() -> ModuleType:
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # the tool imports bench_decode and harness
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "fit_path_cost", ROOT / "benchmarks" / "fit_path_cost.py"
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    return load_benchmark("fit_path_cost")
 
 
 def test_the_fit_recovers_the_models_behind_a_run(tool: ModuleType, tmp_path: Path) -> None:
