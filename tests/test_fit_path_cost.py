@@ -16,7 +16,6 @@ from benchmark_scripts import load_benchmark
 
 from megamoe.core.backends.small_batch import PathCost
 
-ROOT = Path(__file__).resolve().parents[1]
 # Two models unlike the checkout's: a small-batch path twice as costly per program and
 # slower at streaming, a MegaMoE with a larger fixed cost; both with a cost per pair
 SMALL = PathCost(fixed_us=15.0, per_slot_us=0.0, per_program_us=0.005, bandwidth=4.2e12,
