@@ -38,13 +38,15 @@ from megamoe.core.backends.small_batch import (
     SMALL_BATCH_COST,
     LayerWork,
     PathCost,
+    crossover_between,
     crossover_tokens,
 )
 
-# bench_decode's column of each path, the checkout's model of it, the terms it lacks
+# bench_decode's column of each path: the checkout's model of it, its name there, the terms
+# it lacks
 PATHS = {
-    "small": (SMALL_BATCH_COST, ("per_slot_us",)),
-    "megamoe": (MEGAMOE_COST, ("per_program_us",)),
+    "small": (SMALL_BATCH_COST, "SMALL_BATCH_COST", ("per_slot_us",)),
+    "megamoe": (MEGAMOE_COST, "MEGAMOE_COST", ("per_program_us",)),
 }
 CROSSOVER_SCAN = 65536  # as megamoe inspect
 COLUMNS = [
@@ -81,7 +83,7 @@ def read_rows(path: str) -> list[dict[str, Any]]:
 
 def fit(rows: list[dict[str, Any]], column: str, steps: int) -> PathCost:
     """``column``'s PathCost that fits ``rows`` best in the log of the time."""
-    start, absent = PATHS[column]
+    start, _, absent = PATHS[column]
     names = [f.name for f in dataclasses.fields(PathCost) if f.name not in absent]
     # the constants' logs; bandwidth and FLOP/s enter as their inverses
     inverse = {"bandwidth", "flops"}
@@ -122,12 +124,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     rows = read_rows(args.decode_json)
     fitted = {column: fit(rows, column, args.steps) for column in PATHS}
     for column, model in fitted.items():
-        name = "SMALL_BATCH_COST" if column == "small" else "MEGAMOE_COST"
-        print(f"{name} = {model}")
+        print(f"{PATHS[column][1]} = {model}")
     table = []
     for row in rows:
         work = layer_of(row["layer"])
-        for column, (checkout, _) in PATHS.items():
+        for column, (checkout, _, _) in PATHS.items():
             ours, theirs = (work.predicted_us(m, row["tokens"]) for m in (checkout, fitted[column]))
             measured = row[column]
             table.append([row["layer"], row["tokens"], column, measured, ours,
@@ -137,11 +138,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for layer in dict.fromkeys(row["layer"] for row in rows):
         work = layer_of(layer)
         was = crossover_tokens(work, CROSSOVER_SCAN)
-        new = next(
-            (t - 1 for t in range(1, CROSSOVER_SCAN + 1)
-             if work.predicted_us(fitted["small"], t) > work.predicted_us(fitted["megamoe"], t)),
-            CROSSOVER_SCAN,
-        )  # fmt: skip
+        new = crossover_between(work, fitted["small"], fitted["megamoe"], CROSSOVER_SCAN)
         crossovers[layer] = {"measured": measured_crossover(rows, layer), "checkout": was,
                              "fitted": new}  # fmt: skip
         print(f"{layer}: crossover measured after {crossovers[layer]['measured']} tokens "

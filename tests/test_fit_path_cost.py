@@ -14,7 +14,7 @@ from types import ModuleType
 import pytest
 from benchmark_scripts import load_benchmark
 
-from megamoe.core.backends.small_batch import PathCost
+from megamoe.core.backends.small_batch import PathCost, crossover_between
 
 # Two models unlike the checkout's: a small-batch path twice as costly per program and
 # slower at streaming, a MegaMoE with a larger fixed cost; both with a cost per pair
@@ -47,9 +47,7 @@ def test_the_fit_recovers_the_models_behind_a_run(tool: ModuleType, tmp_path: Pa
         assert abs(row["fit error"]) < 0.02, row
     for layer, crossover in result["crossovers"].items():
         work = tool.layer_of(layer)
-        expected = next((t - 1 for t in range(1, 65537)
-                         if work.predicted_us(SMALL, t) > work.predicted_us(MEGAMOE, t)),
-                        65536)  # fmt: skip
+        expected = crossover_between(work, SMALL, MEGAMOE, 65536)
         assert abs(crossover["fitted"] - expected) <= 0.02 * expected, (layer, crossover)
         measured = max((t for t in COUNTS if t <= expected), default=0)
         assert crossover["measured"] == measured

@@ -147,18 +147,26 @@ class LayerWork:
         )
 
 
+def crossover_between(work: LayerWork, small: PathCost, megamoe: PathCost, max_tokens: int) -> int:
+    """The most tokens per call for which ``small`` predicts no more time than ``megamoe``.
+
+    The first token count at which ``megamoe`` is predicted faster ends the range (0:
+    never), capped at ``max_tokens``.
+    """
+    for tokens in range(1, max_tokens + 1):
+        if work.predicted_us(small, tokens) > work.predicted_us(megamoe, tokens):
+            return tokens - 1
+    return max_tokens
+
+
 @functools.lru_cache(maxsize=256)
 def crossover_tokens(work: LayerWork, max_tokens: int) -> int:
     """The most tokens per call for which the small-batch path is predicted no slower.
 
-    Every call of up to that many tokens takes it: the first token count at which MegaMoE is
-    predicted faster ends the range (0: never), capped at ``max_tokens``. Remembered per
-    layer shape: the layers of a model share a few.
+    Every call of up to that many tokens takes it (:func:`crossover_between` of the
+    measured models). Remembered per layer shape: the layers of a model share a few.
     """
-    for tokens in range(1, max_tokens + 1):
-        if work.predicted_us(SMALL_BATCH_COST, tokens) > work.predicted_us(MEGAMOE_COST, tokens):
-            return tokens - 1
-    return max_tokens
+    return crossover_between(work, SMALL_BATCH_COST, MEGAMOE_COST, max_tokens)
 
 
 def takes_small_batch(tokens: int, limit: int) -> bool:
