@@ -15,12 +15,15 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def load_benchmark(name: str) -> ModuleType:
-    """``benchmarks/<name>.py``, executed as a module named ``name``."""
+    """``benchmarks/<name>.py``, executed as a module named ``name`` (in ``sys.modules``
+    under that name, where its dataclasses look their module up).
+    """
     sys.path.insert(0, str(BENCHMARKS))
     try:
         spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
         spec.loader.exec_module(module)
         return module
     finally:

@@ -9,7 +9,6 @@ fails. In-process checks cover the replica map and show that a wrong one fails t
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -21,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from benchmark_scripts import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "bench_ep.py"
@@ -75,14 +75,8 @@ def test_every_rank_matches_the_one_rank_reference(
 
 def _bench(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     """bench_ep imported as the script sees itself (its ``harness`` beside it), one rank."""
-    monkeypatch.syspath_prepend(str(BENCH.parent))
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    spec = importlib.util.spec_from_file_location("bench_ep", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_ep", module)  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_ep")
 
 
 def test_replicas_hold_the_routed_expert_and_share_its_slots(

@@ -12,7 +12,6 @@ bits: what only a benchmark on the GPU would otherwise show.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import subprocess
@@ -21,6 +20,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from benchmark_scripts import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "benchmarks" / "kernel_resources.py"
@@ -48,12 +48,7 @@ def test_the_tile_shapes_compile_without_spills_and_their_programs_fit(tmp_path:
 
 @pytest.fixture(scope="module")
 def kernel_resources() -> ModuleType:
-    sys.path.insert(0, str(TOOL.parent))  # it imports bench_decode and the harness by name
-    spec = importlib.util.spec_from_file_location("kernel_resources", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("kernel_resources")
 
 
 def test_a_tile_shape_is_named_with_the_fields_it_changes(
