@@ -15,8 +15,9 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def load_benchmark(name: str) -> ModuleType:
-    """``benchmarks/<name>.py``, executed as a module named ``name`` (in ``sys.modules``
-    under that name, where its dataclasses look their module up).
+    """``benchmarks/<name>.py``, executed as a module named ``name``.
+
+    It is in ``sys.modules`` under that name, where its dataclasses look their module up.
     """
     sys.path.insert(0, str(BENCHMARKS))
     try:
