@@ -228,9 +228,9 @@ def test_the_batch_tiles_match_the_emulating_reference(
     mode: str,
     tiles: str,
 ) -> None:
-    """From 512 tokens: 32-token expert tiles, 128-column l2 tiles (their own TMA
-    descriptor), in the decode grid (a program loops over its expert's tiles) or taken by
-    persistent programs; every token on one expert gives that expert 19 tiles."""
+    """From 512 tokens: 32- or 64-token expert tiles, 128-column l2 tiles (their own TMA
+    descriptor), in the decode grid (a program loops over its expert's tiles) or claimed by
+    persistent programs; every token on one expert gives that expert 19 tiles of 32."""
     force_tiles(monkeypatch, importlib.import_module(KERNEL_MODULE), tiles)
     small = batch_layer(batch_layers, shape, "deepgemm")
     assert small.backend.path_for(small, BATCH_TOKENS) == "small_batch"
