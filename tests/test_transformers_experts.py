@@ -329,6 +329,25 @@ def test_prepare_once_before_the_first_forward(tmp_path: Path) -> None:
         megamoe.transformers.prepare(torch.nn.Linear(2, 2))
 
 
+def test_prepare_refuses_a_bad_path_option_before_changing_the_model(tmp_path: Path) -> None:
+    model = _qwen_bf16(tmp_path)
+    with pytest.raises(ValueError, match=r"^prepare\(\): small_batch_max_tokens=0; expected at"):
+        megamoe.transformers.prepare(model, small_batch_max_tokens=0)
+    with pytest.raises(ValueError, match=r"^prepare\(\): experts_path='fast'; expected one of"):
+        megamoe.transformers.prepare(model, experts_path="fast")
+    assert not _megamoe_children(model)  # nothing was built, no weight was taken over
+    megamoe.transformers.prepare(model, experts_path="megamoe")
+    experts = list(_megamoe_children(model).values())
+    assert len(experts) == 2 and {e.experts_path for e in experts} == {"megamoe"}
+
+
+def test_prepare_passes_small_batch_max_tokens_to_every_layer(tmp_path: Path) -> None:
+    model = _qwen_bf16(tmp_path)
+    megamoe.transformers.prepare(model, small_batch_max_tokens=4)
+    experts = list(_megamoe_children(model).values())
+    assert len(experts) == 2 and {e.small_batch_max_tokens for e in experts} == {4}
+
+
 def test_megamoe_core_does_not_import_transformers() -> None:
     code = (
         "import sys, megamoe.core, megamoe.core.modules.experts, megamoe.core.checkpoint.reader, "

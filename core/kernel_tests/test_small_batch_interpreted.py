@@ -22,6 +22,7 @@ from bitcheck import assert_bitwise_equal, relative_error
 from tile_forcing import force_tiles, with_variant
 
 from megamoe.core.backends.deepgemm_layout import L1_ROW_ORDER
+from megamoe.core.backends.small_batch import LayerWork
 from megamoe.core.loading.pairing import SHARD_GATE, SHARD_UP
 from megamoe.core.modules.experts import MegaMoEExperts
 from megamoe.core.numerics.formats import WeightFormat
@@ -338,3 +339,23 @@ def test_bad_shapes_and_weights_are_refused_by_name(
     experts = kernel_weights(kernels, references[(None, True)])
     with pytest.raises(ValueError, match=f"{MAX_TOKENS + 1} tokens exceed the {MAX_TOKENS}"):
         calls[None].forward(experts, x, None, weights, ids)
+
+
+@pytest.mark.parametrize(
+    ("layer", "tokens"),
+    [(LayerWork(512, 512, 10, 2048, 512), 256), (LayerWork(512, 512, 10, 2048, 512), 2048),
+     (LayerWork(288, 288, 8, 4096, 2048), 2342)],
+    ids=["qwen4exp-256", "qwen4exp-2048", "glm53flash-crossover"],
+)  # fmt: skip
+def test_the_scratch_is_what_the_layer_work_predicts(
+    gpu_like_interpreter: ModuleType, layer: LayerWork, tokens: int
+) -> None:
+    """``megamoe inspect`` and the docs state the scratch from ``LayerWork`` alone: the
+    allocation holds those activations and under 1% more (its index tables)."""
+    small = gpu_like_interpreter.SmallBatchExperts(
+        num_experts=layer.num_local_experts, first_expert=0, top_k=layer.top_k,
+        hidden=layer.hidden, intermediate=layer.intermediate, swiglu_limit=None,
+        max_tokens=tokens, device=torch.device("cpu"),
+    )  # fmt: skip
+    activations = layer.scratch_bytes_per_token * tokens
+    assert activations <= small.scratch_bytes <= 1.01 * activations

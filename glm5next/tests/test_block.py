@@ -13,6 +13,7 @@ Tolerances (relative Frobenius error of the (tokens, H) output):
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -255,6 +256,24 @@ def test_mtp_layer_takes_the_default_format(
         reader.config, reader.layers[0], parallel=parallel, moe_format="mxfp8"
     )
     assert main.experts.weight_format is MX
+
+
+def test_the_block_passes_small_batch_max_tokens_to_its_experts(
+    glm_checkpoint: Checkpoint, parallel: ParallelSettings
+) -> None:
+    reader = CheckpointReader(glm_checkpoint(FP8), ADAPTER)
+    layer = reader.layers[0]
+    block = ADAPTER.build_block(reader.config, layer, parallel=parallel, small_batch_max_tokens=8)
+    assert block.experts.small_batch_max_tokens == 8
+    with pytest.raises(
+        ValueError,
+        match=rf"^{re.escape(layer.prefix)}\.experts: small_batch_max_tokens=8 beside "
+        "experts_path='megamoe'",
+    ):
+        ADAPTER.build_block(
+            reader.config, layer, parallel=parallel, experts_path="megamoe",
+            small_batch_max_tokens=8,
+        )  # fmt: skip
 
 
 # -- error paths ----------------------------------------------------------------------------

@@ -225,9 +225,10 @@ def test_build_block_forwards_the_block_options(parallel: ParallelSettings) -> N
     layer = ADAPTER.moe_layers(cfg)[0]
     block = ADAPTER.build_block(
         cfg, layer, parallel=parallel, backend="reference", reload_staging_bytes=123,
-        use_aux_stream=False, shared_gemm="bf16",
+        use_aux_stream=False, shared_gemm="bf16", small_batch_max_tokens=16,
     )  # fmt: skip
     assert block.experts.reload_staging_bytes == 123
+    assert block.experts.small_batch_max_tokens == 16
     with pytest.raises(TypeError, match="no_such_option"):
         ADAPTER.build_block(cfg, layer, parallel=parallel, no_such_option=1)
 

@@ -200,6 +200,18 @@ def test_forced_megamoe_and_auto_above_the_crossover_take_the_kernel(
     assert error <= 2 * EMULATED_TOL  # two paths, each within the kernel's bound
 
 
+def test_small_batch_max_tokens_hands_larger_calls_to_megamoe(
+    layers: dict[tuple[str, str], MegaMoEExperts],
+) -> None:
+    capped = build("qwen4exp", "auto", backend="deepgemm", small_batch_max_tokens=8)
+    reference = layer(layers, "qwen4exp", "reference")
+    for tokens, path in ((8, "small_batch"), (9, "megamoe")):
+        assert capped.backend.path_for(capped, tokens) == path
+        x, weights, ids = routing("qwen4exp", tokens, seed=40 + tokens)
+        error = relative_error(capped(x, weights, ids), reference(x, weights, ids))
+        assert error <= EMULATED_TOL, (tokens, path, error)
+
+
 @pytest.fixture(scope="module")
 def batch_layers() -> dict[tuple[str, str], MegaMoEExperts]:
     return {}

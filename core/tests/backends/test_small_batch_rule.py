@@ -86,10 +86,17 @@ def test_active_experts_under_uniform_routing() -> None:
     assert half.active_experts(1) == pytest.approx(5)
 
 
-def experts(path: str, backend: str = "auto", device: str = "cpu", max_tokens: int = 64):
+def experts(
+    path: str,
+    backend: str = "auto",
+    device: str = "cpu",
+    max_tokens: int = 64,
+    cap: int | None = None,
+):
     return one_rank_experts(
         4, 512, 256, top_k=2, weight_format=FMT, checkpoint_format=FMT,
         max_num_tokens=max_tokens, backend=backend, device=device, experts_path=path,
+        small_batch_max_tokens=cap,
     )  # fmt: skip
 
 
@@ -152,6 +159,55 @@ def test_the_option_sets_how_many_tokens_take_the_path(
     assert layer.backend.path_for(layer, expected + 1) == "megamoe"
     # An empty call takes the small path only where the layer has one (MegaMoE runs it too).
     assert layer.backend.path_for(layer, 0) == ("small_batch" if expected else "megamoe")
+
+
+@pytest.mark.parametrize(
+    ("path", "cap", "expected"),
+    [("auto", 8, 8), ("auto", 40, 17), ("auto", 500, 17), ("small_batch", 8, 8),
+     ("small_batch", 40, 40), ("small_batch", 500, 64)],
+)  # fmt: skip
+def test_small_batch_max_tokens_caps_the_calls_the_path_takes(
+    monkeypatch: pytest.MonkeyPatch, path: str, cap: int, expected: int
+) -> None:
+    install_fake_hopper(monkeypatch)
+    layer = experts(path if path == "auto" else "megamoe", backend="deepgemm")
+    layer.experts_path, layer.small_batch_max_tokens = path, cap
+    monkeypatch.setattr(small_batch, "unavailable_reason", lambda experts, kind: None)
+    asked = []
+
+    def crossover(work: LayerWork, max_tokens: int) -> int:
+        asked.append(max_tokens)
+        return min(17, max_tokens)
+
+    monkeypatch.setattr(small_batch, "crossover_tokens", crossover)
+    assert small_batch.small_batch_tokens(layer, dg_backend.KIND_SM90) == expected
+    # the rule is asked up to the cap or max_num_tokens, whichever is less
+    assert asked == ([min(cap, 64)] if path == "auto" else [])
+    assert layer.backend.path_for(layer, expected) == "small_batch"
+    assert layer.backend.path_for(layer, expected + 1) == "megamoe"
+    assert f"small_batch_max_tokens={cap}" in repr(layer)
+
+
+def test_without_a_cap_the_layer_says_none() -> None:
+    assert "small_batch_max_tokens" not in repr(experts("auto", backend="reference"))
+
+
+@pytest.mark.parametrize(
+    ("path", "cap", "error", "message"),
+    [("auto", 0, ValueError, r"small_batch_max_tokens=0; expected at least 1 \(for no "
+      r"small-batch path, pass experts_path='megamoe'\)"),
+     ("auto", -3, ValueError, r"small_batch_max_tokens=-3; expected at least 1"),
+     ("auto", 2.5, TypeError, r"small_batch_max_tokens=2.5 \(float\); expected an int"),
+     ("auto", True, TypeError, r"small_batch_max_tokens=True \(bool\); expected an int"),
+     ("megamoe", 16, ValueError, r"small_batch_max_tokens=16 beside experts_path='megamoe', "
+      r"which runs no call on the small-batch path; drop one of the two")],
+    ids=["zero", "negative", "float", "bool", "beside-megamoe"],
+)  # fmt: skip
+def test_a_bad_small_batch_max_tokens_is_refused_by_name(
+    path: str, cap: object, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=r"^MegaMoEExperts: " + message):
+        experts(path, backend="reference", cap=cap)  # type: ignore[arg-type]
 
 
 def test_several_ranks_keep_megamoe(monkeypatch: pytest.MonkeyPatch) -> None:

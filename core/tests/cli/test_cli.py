@@ -572,3 +572,6 @@ def test_inspect_says_when_the_rule_never_hands_a_call_to_megamoe(
     scan = inspection.EXPERTS_PATH_SCAN
     assert f"small-batch kernels for every call up to the {scan} tokens considered (the" in path
     assert "MegaMoE above" not in path
+    # per token: 256 FP8 columns and 2 float32 scales; per slot (2), 128 FP8 intermediate
+    # columns, 2 float32 scales and 256 bf16 output columns: 264 + 2 * 648 bytes
+    assert "scratch 1.6 KB per token it may take, shared by the layers of one shape" in path

@@ -299,8 +299,9 @@ class ModelAdapter(abc.ABC):
         ``load_from_checkpoint`` loads them. ``moe_format`` forces the run format of the
         main model's layers; the MTP drafter's layers take the default. ``options`` go to
         the block class as they are: the other ``BlockOptions`` (``emulate_kernel``,
-        ``arch``, ``reload_staging_bytes``) and the adapter's own (e.g. ``use_aux_stream``,
-        ``shared_gemm``). See the adapter's block class for the errors.
+        ``arch``, ``reload_staging_bytes``, ``experts_path``, ``small_batch_max_tokens``) and
+        the adapter's own (e.g. ``use_aux_stream``, ``shared_gemm``). See the adapter's block
+        class for the errors.
         """
         return self.block_class(
             config,

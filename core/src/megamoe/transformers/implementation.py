@@ -18,6 +18,7 @@ from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
 from transformers.integrations.moe import ExpertsInterface
 
 from megamoe.core.modules.experts import MegaMoEExperts
+from megamoe.core.modules.experts_backend import check_experts_path, check_small_batch_max_tokens
 from megamoe.core.numerics.formats import ARCH_REFERENCE, WeightFormat, detect_arch, resolve_formats
 from megamoe.transformers.loaded_experts import (
     ROUNDED_TO_BF16,
@@ -85,6 +86,8 @@ def build_experts(
     backend: str = "auto",
     moe_format: WeightFormat | str | None = None,
     process_group: dist.ProcessGroup | None = None,
+    experts_path: str = "auto",
+    small_batch_max_tokens: int | None = None,
 ) -> MegaMoEExperts:
     """Move one experts module's weights into megamoe's experts (its child ``megamoe``).
 
@@ -102,6 +105,11 @@ def build_experts(
             ``"reference"`` or ``"deepgemm"``.
         moe_format: run format to force; None decides as above.
         process_group: a one-rank group to run over; None makes one where DeepGEMM needs it.
+        experts_path: ``"auto"`` (on a Hopper GPU with block-FP8 experts, calls of few
+            tokens run the small-batch kernels, larger ones MegaMoE), ``"small_batch"`` or
+            ``"megamoe"`` (see ``megamoe.core.modules.experts.MegaMoEExperts``).
+        small_batch_max_tokens: the most tokens per call the small-batch path takes (its
+            scratch is sized for them); None leaves it to ``experts_path``.
 
     Returns:
         The finalized experts.
@@ -109,7 +117,9 @@ def build_experts(
     Raises:
         NotImplementedError: a module megamoe cannot run (see ``read_experts``), or a
             process group of several ranks.
-        ValueError / CapabilityError: sizes, formats or a backend that cannot run here.
+        ValueError / CapabilityError: sizes, formats, options or a backend that cannot run
+            here.
+        TypeError: a ``small_batch_max_tokens`` that is not an int.
     """
     if process_group is not None and process_group.size() != 1:
         raise NotImplementedError(
@@ -139,6 +149,8 @@ def build_experts(
             device=loaded.device,
             prefix=name,
             swiglu_limit=loaded.swiglu_limit,
+            experts_path=experts_path,
+            small_batch_max_tokens=small_batch_max_tokens,
         )
         experts.load_weights(loaded.named_tensors())
         experts.finalize()
@@ -170,6 +182,8 @@ def prepare(
     backend: str = "auto",
     moe_format: WeightFormat | str | None = None,
     process_group: dist.ProcessGroup | None = None,
+    experts_path: str = "auto",
+    small_batch_max_tokens: int | None = None,
 ) -> list[str]:
     """Switch ``model`` to ``"megamoe"`` and build every MoE layer's experts now.
 
@@ -183,13 +197,18 @@ def prepare(
         backend: see ``build_experts``.
         moe_format: see ``build_experts``.
         process_group: see ``build_experts``.
+        experts_path: see ``build_experts``.
+        small_batch_max_tokens: see ``build_experts``.
 
     Returns:
         The names of the experts modules now run by megamoe.
 
     Raises:
-        TypeError: ``model`` is not a transformers model.
-        ValueError: ``model`` has no experts module transformers dispatches.
+        TypeError: ``model`` is not a transformers model, or a ``small_batch_max_tokens``
+            that is not an int.
+        ValueError: ``model`` has no experts module transformers dispatches, or an
+            ``experts_path`` / ``small_batch_max_tokens`` it cannot take (refused before any
+            module changes).
         RuntimeError: a module already runs on megamoe (built by an earlier forward or
             ``prepare``): its transformers weights are gone, so it cannot be rebuilt.
         NotImplementedError / CapabilityError: as ``build_experts``.
@@ -200,6 +219,9 @@ def prepare(
             f"prepare() takes a transformers PreTrainedModel, got {type(model).__name__}; "
             "pass the model from_pretrained returned"
         )
+    check_small_batch_max_tokens(
+        small_batch_max_tokens, check_experts_path(experts_path, "prepare()"), "prepare()"
+    )
     modules = [(n, m) for n, m in model.named_modules() if is_experts_module(m)]
     if not modules:
         raise ValueError(
@@ -223,5 +245,7 @@ def prepare(
             backend=backend,
             moe_format=moe_format,
             process_group=process_group,
+            experts_path=experts_path,
+            small_batch_max_tokens=small_batch_max_tokens,
         )
     return [name for name, _ in modules]

@@ -75,8 +75,8 @@ class Glm5NextMegaMoeBlock(MoEBlock):
             activation casts are fused), None picks ``deep_gemm`` where it runs.
         requant_chunk: experts per step of ``requantize_block_fp8``.
         **options: ``moe_format``, ``is_mtp``, ``backend``, ``device``, ``max_num_tokens``,
-            ``emulate_kernel``, ``arch``, ``reload_staging_bytes``, ``experts_path`` (see
-            ``megamoe.core.modules.block_setup.BlockOptions``).
+            ``emulate_kernel``, ``arch``, ``reload_staging_bytes``, ``experts_path``,
+            ``small_batch_max_tokens`` (see ``megamoe.core.modules.block_setup.BlockOptions``).
             With ``moe_format=None`` the experts run as stored where the target can
             (block-FP8 on Hopper and the reference path), else convert with a warning
             (block-FP8 -> MXFP8 on SM100).

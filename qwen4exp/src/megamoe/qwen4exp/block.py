@@ -83,8 +83,8 @@ class Qwen4ExpMegaMoeBlock(MoEBlock):
             (keeps block-FP8: half the memory, 1.4-2.0x slower on the H200 until its
             activation casts are fused), None picks ``deep_gemm`` where it runs.
         **options: ``moe_format``, ``is_mtp``, ``backend``, ``device``, ``max_num_tokens``,
-            ``emulate_kernel``, ``arch``, ``reload_staging_bytes``, ``experts_path`` (see
-            ``megamoe.core.modules.block_setup.BlockOptions``).
+            ``emulate_kernel``, ``arch``, ``reload_staging_bytes``, ``experts_path``,
+            ``small_batch_max_tokens`` (see ``megamoe.core.modules.block_setup.BlockOptions``).
 
     Raises:
         NotImplementedError: no expert-parallel group, tensor parallel > 1, non-linear

@@ -17,8 +17,10 @@ tokens, yet Qwen4-Exp at 8192 tokens, 160 per active expert, ran in 0.56 of Mega
 
 ``experts_path`` (an option of ``MegaMoEExperts`` and of both blocks) forces either path:
 ``"small_batch"`` for every call the layer's ``max_num_tokens`` allows, ``"megamoe"`` for
-none; ``"auto"`` follows the rule. The small-batch path runs one rank (on several, MegaMoE's
-dispatch is the communication), block-FP8 on Hopper, without fused shared experts.
+none; ``"auto"`` follows the rule. ``small_batch_max_tokens`` caps the calls the path takes
+(and so its scratch, sized for that many tokens) below either. The small-batch path runs
+one rank (on several, MegaMoE's dispatch is the communication), block-FP8 on Hopper,
+without fused shared experts.
 """
 
 from __future__ import annotations
@@ -125,6 +127,18 @@ class LayerWork:
     def expert_bytes(self) -> int:
         """One block-FP8 expert's weight bytes (``w13`` and ``w2``; scales are 1/16384 more)."""
         return 3 * self.hidden * self.intermediate
+
+    @property
+    def scratch_bytes_per_token(self) -> int:
+        """The small-batch path's scratch per token of its cap, activations alone.
+
+        A token in FP8 with its float32 scale per 128 columns, and per slot its intermediate
+        in FP8 with a float32 scale per 64 columns and its bf16 output row
+        (``SmallBatchExperts``); the index tables add under 1% from 256 tokens on.
+        """
+        token = self.hidden + 4 * self.hidden // 128
+        slot = self.intermediate + 4 * self.intermediate // 64 + 2 * self.hidden
+        return token + self.top_k * slot
 
     def active_experts(self, tokens: int) -> float:
         """Local experts that ``tokens`` tokens reach, expected under uniform routing."""
@@ -235,6 +249,7 @@ def small_batch_tokens(experts: MegaMoEExperts, kind: str) -> int:
 
     ``experts.experts_path``: ``"auto"`` gives :func:`crossover_tokens` where the path can
     run, else 0; ``"small_batch"`` every call up to ``max_num_tokens``; ``"megamoe"`` 0.
+    ``experts.small_batch_max_tokens``, where set, caps either.
 
     Raises:
         CapabilityError: ``"small_batch"`` where the path cannot run (from the experts
@@ -243,9 +258,11 @@ def small_batch_tokens(experts: MegaMoEExperts, kind: str) -> int:
     path = experts.experts_path
     if path == PATH_MEGAMOE or unavailable_reason(experts, kind) is not None:
         return 0
+    cap = experts.small_batch_max_tokens
+    most = experts.max_num_tokens if cap is None else min(cap, experts.max_num_tokens)
     if path == PATH_SMALL_BATCH:
-        return experts.max_num_tokens
-    return crossover_tokens(layer_work(experts), experts.max_num_tokens)
+        return most
+    return crossover_tokens(layer_work(experts), most)
 
 
 _SHARED: dict[tuple[Any, ...], Any] = {}

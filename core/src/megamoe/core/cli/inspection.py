@@ -104,15 +104,20 @@ class CheckpointPlan:
         if tokens == 0:
             return "MegaMoE for every call (the rule predicts it faster at every size here)"
         layers = "every layer" if len(small) == len(self.layers) else f"{len(small)} layer(s)"
+        scratch = (
+            f"; scratch {work.scratch_bytes_per_token / 1000:.1f} KB per token it may take, "
+            "shared by the layers of one shape"
+        )
         if tokens == EXPERTS_PATH_SCAN:
             return (
                 f"small-batch kernels for every call up to the {tokens} tokens considered (the "
                 f"rule never predicts MegaMoE faster there; {layers}; experts_path='auto', "
-                "capped by the engine's max_num_tokens)"
+                f"capped by the engine's max_num_tokens or small_batch_max_tokens){scratch}"
             )
         return (
             f"small-batch kernels for calls of up to {tokens} tokens, MegaMoE above "
-            f"({layers}; experts_path='auto', capped by the engine's max_num_tokens)"
+            f"({layers}; experts_path='auto', capped by the engine's max_num_tokens or "
+            f"small_batch_max_tokens){scratch}"
         )
 
 

@@ -1196,6 +1196,15 @@ class SmallBatchExperts:
             for per_expert in (False, True)
         }
 
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of its scratch: the activations and index tables it holds beside the weights."""
+        tensors = (
+            self._table, self._block_counts, self._x_fp8, self._x_scale, self._act,
+            self._act_scale, self._rows, self._l1_done,
+        )  # fmt: skip
+        return sum(t.nbytes for t in tensors)
+
     @staticmethod
     def weights(
         w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor

@@ -55,6 +55,9 @@ class BlockOptions(TypedDict, total=False):
         experts_path: ``"auto"`` (default), ``"small_batch"`` or ``"megamoe"``: which path
             runs the routed experts on one Hopper rank, by the call's token count or forced
             (``megamoe.core.backends.small_batch``).
+        small_batch_max_tokens: the most tokens per call the small-batch path takes, and so
+            what its scratch holds; None (default) leaves it to ``experts_path``, larger
+            calls run MegaMoE (``megamoe.core.modules.experts.MegaMoEExperts``).
     """
 
     moe_format: WeightFormat | str | None
@@ -66,6 +69,7 @@ class BlockOptions(TypedDict, total=False):
     arch: str | None
     reload_staging_bytes: int | None
     experts_path: str
+    small_batch_max_tokens: int | None
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,7 @@ class ExpertPlan:
         swiglu_limit: the model's SwiGLU clamp (``MoEConfig.swiglu_limit``), None for none.
         reload_staging_bytes: the ``reload_staging_bytes`` option.
         experts_path: the ``experts_path`` option.
+        small_batch_max_tokens: the ``small_batch_max_tokens`` option.
         process_group: the expert-parallel group.
     """
 
@@ -112,6 +117,7 @@ class ExpertPlan:
     swiglu_limit: float | None = None
     reload_staging_bytes: int | None = None
     experts_path: str = "auto"
+    small_batch_max_tokens: int | None = None
     process_group: dist.ProcessGroup | None = field(default=None, compare=False)
 
     @property
@@ -148,6 +154,7 @@ class ExpertPlan:
             swiglu_limit=self.swiglu_limit,
             reload_staging_bytes=self.reload_staging_bytes,
             experts_path=self.experts_path,
+            small_batch_max_tokens=self.small_batch_max_tokens,
             **extra,
         )
 
@@ -172,6 +179,7 @@ def plan_experts(
     arch: str | None = None,
     reload_staging_bytes: int | None = None,
     experts_path: str = "auto",
+    small_batch_max_tokens: int | None = None,
 ) -> ExpertPlan:
     """Check the settings of one MoE block and decide its experts' split and formats.
 
@@ -193,6 +201,7 @@ def plan_experts(
         arch: see ``BlockOptions``.
         reload_staging_bytes: see ``BlockOptions``.
         experts_path: see ``BlockOptions``.
+        small_batch_max_tokens: see ``BlockOptions``.
 
     Returns:
         The plan.
@@ -248,6 +257,7 @@ def plan_experts(
         swiglu_limit=config.swiglu_limit,
         reload_staging_bytes=reload_staging_bytes,
         experts_path=experts_path,
+        small_batch_max_tokens=small_batch_max_tokens,
         process_group=parallel.ep_group,
     )
 

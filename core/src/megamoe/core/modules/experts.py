@@ -20,7 +20,11 @@ from megamoe.core.loading.pairing import SHARD_IDS, SHARD_TO_PROJ
 from megamoe.core.loading.tagging import KernelTag, check_tags, tag
 from megamoe.core.modules import experts_op
 from megamoe.core.modules.backend_select import layer_backend
-from megamoe.core.modules.experts_backend import PATH_SMALL_BATCH, check_experts_path
+from megamoe.core.modules.experts_backend import (
+    PATH_SMALL_BATCH,
+    check_experts_path,
+    check_small_batch_max_tokens,
+)
 from megamoe.core.modules.fixed_module import FixedModule
 from megamoe.core.numerics.dispatch import DispatchBuffer
 from megamoe.core.numerics.formats import BLOCK_FP8_DEFAULT, WeightFormat, check_run_format
@@ -73,12 +77,19 @@ class MegaMoEExperts(ExpertLoading, FixedModule):
             the layer's shape (``megamoe.core.backends.small_batch``); ``"small_batch"``
             forces those kernels for every call (an error where they cannot run);
             ``"megamoe"`` forces the MegaMoE kernel.
+        small_batch_max_tokens: the most tokens per call the small-batch path takes, and so
+            what its scratch holds (about 49 KB a token for Qwen4-Exp's layer shape): None
+            (the default) lets ``experts_path`` decide (the rule's crossover or, forced,
+            ``max_num_tokens``), an int caps that, so larger calls run MegaMoE. Capped by
+            ``max_num_tokens``; an error beside ``experts_path="megamoe"``.
 
     Its kernel tensors keep their format and device through ``.to()`` and the like, and it
     refuses ``load_state_dict()``, copies and pickling (``megamoe.core.modules.fixed_module``).
 
     Raises:
-        ValueError: a size or placement that cannot run (before anything is allocated).
+        ValueError: a size or placement that cannot run (before anything is allocated), or a
+            ``small_batch_max_tokens`` below 1 or beside ``experts_path="megamoe"``.
+        TypeError: a ``small_batch_max_tokens`` that is not an int.
         CapabilityError: an explicit backend that cannot run the run format here, or
             ``experts_path="small_batch"`` where the small-batch path cannot run.
     """
@@ -105,6 +116,7 @@ class MegaMoEExperts(ExpertLoading, FixedModule):
         swiglu_limit: float | None = None,
         reload_staging_bytes: int | None = None,
         experts_path: str = "auto",
+        small_batch_max_tokens: int | None = None,
     ) -> None:
         super().__init__()
         self.prefix, self.emulate_kernel, self.process_group = prefix, emulate_kernel, process_group
@@ -125,6 +137,9 @@ class MegaMoEExperts(ExpertLoading, FixedModule):
         self.num_shared_experts, self.max_num_tokens = num_shared_experts, max_num_tokens
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self.experts_path = check_experts_path(experts_path, prefix or type(self).__name__)
+        self.small_batch_max_tokens = check_small_batch_max_tokens(
+            small_batch_max_tokens, experts_path, prefix or type(self).__name__
+        )
         self.backend = layer_backend(backend, self)
         forced = experts_path == PATH_SMALL_BATCH
         unavailable = self.backend.small_batch_unavailable(self) if forced else None
@@ -180,6 +195,11 @@ class MegaMoEExperts(ExpertLoading, FixedModule):
             f"H={self.hidden_size}, I={self.intermediate_size}, shared={self.num_shared_experts}, "
             f"swiglu_limit={self.swiglu_limit}, backend={self.backend.name}, "
             f"experts_path={self.experts_path}"
+            + (
+                ""
+                if self.small_batch_max_tokens is None
+                else f", small_batch_max_tokens={self.small_batch_max_tokens}"
+            )
         )
 
     def map_global_expert_id(self, expert_id: int) -> list[int]:

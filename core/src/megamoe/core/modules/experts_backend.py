@@ -36,6 +36,36 @@ def check_experts_path(path: str, owner: str) -> str:
     return path
 
 
+def check_small_batch_max_tokens(tokens: int | None, path: str, owner: str) -> int | None:
+    """``tokens`` if it is a valid ``small_batch_max_tokens`` beside ``experts_path=path``.
+
+    None leaves the cap to the path rule; a positive int caps the calls (and so the
+    scratch) of the small-batch path. It means nothing where MegaMoE takes every call.
+
+    Raises:
+        TypeError: not an int (bool included) or None.
+        ValueError: below 1, or set beside ``experts_path="megamoe"``; names ``owner``.
+    """
+    if tokens is None:
+        return None
+    if isinstance(tokens, bool) or not isinstance(tokens, int):
+        raise TypeError(
+            f"{owner}: small_batch_max_tokens={tokens!r} ({type(tokens).__name__}); expected "
+            "an int (the most tokens per call the small-batch path takes) or None"
+        )
+    if tokens < 1:
+        raise ValueError(
+            f"{owner}: small_batch_max_tokens={tokens}; expected at least 1 (for no "
+            "small-batch path, pass experts_path='megamoe')"
+        )
+    if path == PATH_MEGAMOE:
+        raise ValueError(
+            f"{owner}: small_batch_max_tokens={tokens} beside experts_path='megamoe', which "
+            "runs no call on the small-batch path; drop one of the two"
+        )
+    return tokens
+
+
 class ExpertsBackend(abc.ABC):
     """Runs a ``MegaMoEExperts`` module's forward from its canonical kernel-form tensors.
 
