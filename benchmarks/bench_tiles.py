@@ -124,8 +124,6 @@ def measure(name: str, counts: list[int], shapes: list[tuple[str, Any]], args: a
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse(argv)
     shapes = [tile_shape(spec) for spec in args.tiles.split()]
-    # the kernels make each tile shape's launch constants once, at construction
-    kernels.ALL_TILES = tuple(dict.fromkeys([*kernels.ALL_TILES, *(t for _, t in shapes)]))
     counts = [int(t) for t in args.tokens.split(",")]
     print(format_table(COLUMNS, []), flush=True)
     rows = []

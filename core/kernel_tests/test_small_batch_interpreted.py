@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 from bitcheck import assert_bitwise_equal, relative_error
-from tile_forcing import force_tiles, with_variant
+from tile_forcing import force_tiles, variant
 
 from megamoe.core.backends.deepgemm_layout import L1_ROW_ORDER
 from megamoe.core.backends.small_batch import LayerWork
@@ -190,7 +190,7 @@ def test_every_tile_shape_gives_the_same_bits(
     items plus one failed claim per program)."""
     kernels = gpu_like_interpreter
     first = EXPERTS // 4
-    taking = with_variant(monkeypatch, kernels, "BATCH_TILES", claim=False)
+    taking = variant(kernels, "BATCH_TILES", claim=False)
     experts = kernel_weights(kernels, references[(10.0, True)], first)
     call = kernel_call(kernels, 10.0, first)
     x, weights, ids = routing(128, seed=7, mode=mode)
@@ -327,10 +327,15 @@ def test_bad_shapes_and_weights_are_refused_by_name(
             num_experts=EXPERTS, first_expert=0, top_k=TOP_K, hidden=200, intermediate=INTER,
             swiglu_limit=None, max_tokens=8, device=torch.device("cpu"),
         )  # fmt: skip
-    with pytest.raises(ValueError, match="max_tokens 3000000; at most 32768 and 2097152"):
+    with pytest.raises(ValueError, match="max_tokens 3000000; at most 32768 and 1048576"):
         kernels.SmallBatchExperts(
             num_experts=EXPERTS, first_expert=0, top_k=TOP_K, hidden=HIDDEN, intermediate=INTER,
             swiglu_limit=None, max_tokens=3_000_000, device=torch.device("cpu"),
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"Tiles: block_m=8; at least 16 \(the least rows"):
+        kernels.Tiles(
+            block_m=8, block_n2=64, warps=4, stages=2, l2_step=1, pdl=False, persistent=True,
+            spread=True,
         )  # fmt: skip
     w13 = kernel_weights(kernels, references[(None, True)]).w13
     with pytest.raises(ValueError, match="small-batch experts: w13 "):

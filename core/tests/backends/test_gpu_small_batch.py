@@ -17,7 +17,7 @@ import torch
 from bitcheck import assert_bitwise_equal, relative_error
 from graph_check import replayed_output
 from memory import canonical_bytes, resident_bytes
-from tile_forcing import force_tiles, with_variant
+from tile_forcing import force_tiles, variant
 
 from megamoe.core.backends.deepgemm import DeepGemmBackend
 from megamoe.core.backends.small_batch import KERNEL_MODULE
@@ -300,7 +300,7 @@ def test_every_tile_shape_and_grouping_gives_the_same_bits(
     racing) in tiles of 64 and 32 tokens, or take them in turn; the decode tiles are grouped
     by one program: all give the same bits. A third of the experts are another rank's."""
     kernels = importlib.import_module(KERNEL_MODULE)
-    taking = with_variant(monkeypatch, kernels, "WIDE_TILES", claim=False)
+    taking = variant(kernels, "WIDE_TILES", claim=False)
     first, tokens = SHAPES["qwen4exp"][0] // 3, 1200
     weights, call = kernel_call("qwen4exp", first, tokens)
     x, topk_weights, ids = routing("qwen4exp", tokens, seed=17, mode=mode)

@@ -101,6 +101,7 @@ E4M3_MAX = 448.0  # largest finite float8_e4m3fn magnitude
 TOKEN_AMAX_FLOOR = 1e-10  # the dispatch rule's amax floor (DISPATCH_AMAX_FLOOR)
 ACT_AMAX_FLOOR = 1e-4  # the intermediate's amax floor (the Hopper kernel's, AMAX_FLOOR)
 TILE_LIMIT = 1 << 16  # an expert tile entry: expert * TILE_LIMIT + its tile (of fewer tiles)
+SMALLEST_BLOCK_M = 16  # the fewest pairs a tile holds (a tensor-core dot's least rows)
 # The route table's expert tiles come after a header: their number, then the counters from
 # which l1's and l2's persistent programs claim their items (``Tiles.claim``).
 TILES_HEADER = 3
@@ -163,6 +164,13 @@ class Tiles:
     l2_per_sm: int = 3
     claim: bool = False
 
+    def __post_init__(self) -> None:
+        if self.block_m < SMALLEST_BLOCK_M:
+            raise ValueError(
+                f"Tiles: block_m={self.block_m}; at least {SMALLEST_BLOCK_M} (the least rows "
+                "of a tensor-core dot, and what the route table is sized for)"
+            )
+
 
 DECODE_TILES = Tiles(
     block_m=16, block_n2=64, warps=4, stages=5, l2_step=2, pdl=True, persistent=False,
@@ -189,7 +197,6 @@ MIDSIZE_PAIRS_PER_EXPERT = 24
 # Past this many pairs per local expert on average, 64-token tiles (one tile holds most
 # experts' pairs, where 32-token ones need two or more, each streaming the weights again).
 WIDE_PAIRS_PER_EXPERT = 32
-ALL_TILES = (DECODE_TILES, MIDSIZE_TILES, BATCH_TILES, WIDE_TILES)
 # Up to this many (token, slot) pairs, when the router already wrote the FP8 tokens, the l1
 # and l2 programs find their expert's pairs by scanning the ids: no route launch at all.
 SCAN_PAIRS = 64
@@ -1130,8 +1137,8 @@ class SmallBatchExperts:
                 f"small-batch experts: hidden {hidden} and intermediate {intermediate} must be "
                 f"multiples of {SCALE_BLOCK} (the block scales' size)"
             )
-        # the persistent tiles' smallest tile: the most expert tiles the route table holds
-        tile_m = min(tiles.block_m for tiles in ALL_TILES if tiles.persistent)
+        # sized for tiles of the fewest pairs any may hold: every tile shape fits
+        tile_m = SMALLEST_BLOCK_M
         most_experts, most_tokens = (1 << 31) // TILE_LIMIT, TILE_LIMIT * tile_m
         if num_experts > most_experts or max_tokens > most_tokens:
             raise ValueError(
@@ -1167,26 +1174,11 @@ class SmallBatchExperts:
         # each expert's l1 programs that have written their rows (decode sizes; l2 waits for
         # them, the combine zeroes them): zero between calls
         self._l1_done = torch.zeros(num_experts, dtype=torch.int32, device=device)
-        # The constexprs that the layer fixes, made once (eager calls pay host time per launch).
-        experts_pow2 = next_power_of_2(num_experts)
-        self._route_c = {
-            (cast, tiles, group): (
-                num_experts, experts_pow2, hidden, cast, tiles.pdl, group,
-                tiles.block_m if group and tiles.persistent else 0,
-                COUNT_BLOCK if group and tiles.spread else 0,
-            )
-            for cast in (False, True)
-            for tiles in ALL_TILES
-            for group in (False, True)
-        }  # fmt: skip
-        self._place_c = {
-            tiles: (
-                num_experts, experts_pow2, tiles.block_m if tiles.persistent else 0, COUNT_BLOCK,
-                tiles.pdl,
-            )
-            for tiles in ALL_TILES
-            if tiles.spread
-        }  # fmt: skip
+        # The constexprs that the layer fixes, made once (eager calls pay host time per
+        # launch); the route and place launches' per tile shape on its first call.
+        self._experts_pow2 = next_power_of_2(num_experts)
+        self._route_c: dict[tuple[bool, Tiles, bool], tuple[int, ...]] = {}
+        self._place_c: dict[Tiles, tuple[int, ...]] = {}
         clamp = (swiglu_limit is not None, 0.0 if swiglu_limit is None else swiglu_limit)
         self._l1_c = (num_experts, top_k, hidden, intermediate, *clamp)
         self._l2_c = (num_experts, hidden, intermediate)
@@ -1195,6 +1187,23 @@ class SmallBatchExperts:
             for pdl in (False, True)
             for per_expert in (False, True)
         }
+
+    def _route_constants(self, cast: bool, tiles: Tiles, group: bool) -> tuple[int, ...]:
+        """The route launch's constexprs for ``tiles``, made on their first call."""
+        constants = self._route_c[(cast, tiles, group)] = (
+            self.num_experts, self._experts_pow2, self.hidden, cast, tiles.pdl, group,
+            tiles.block_m if group and tiles.persistent else 0,
+            COUNT_BLOCK if group and tiles.spread else 0,
+        )  # fmt: skip
+        return constants
+
+    def _place_constants(self, tiles: Tiles) -> tuple[int, ...]:
+        """The place launch's constexprs for ``tiles``, made on their first call."""
+        constants = self._place_c[tiles] = (
+            self.num_experts, self._experts_pow2, tiles.block_m if tiles.persistent else 0,
+            COUNT_BLOCK, tiles.pdl,
+        )  # fmt: skip
+        return constants
 
     @property
     def scratch_bytes(self) -> int:
@@ -1251,7 +1260,9 @@ class SmallBatchExperts:
         # l1 and l2 find the pairs themselves: no grouping
         scan = pairs <= SCAN_PAIRS and not tiles.persistent
         if cast or not scan:  # FP8 tokens at scan sizes need no route launch at all
-            route_c = self._route_c[(cast, tiles, not scan)]
+            route_c = self._route_c.get((cast, tiles, not scan)) or self._route_constants(
+                cast, tiles, not scan
+            )
             casts = cdiv(tokens, CAST_ROWS) * (self.hidden // SCALE_BLOCK) if cast else 0
             # from 512 tokens the grouping is spread: counting programs, then the place launch
             groups = cdiv(pairs, COUNT_BLOCK) if tiles.spread else 1
@@ -1263,7 +1274,7 @@ class SmallBatchExperts:
                 route_c, ROUTE_WARPS,
             )  # fmt: skip
             if tiles.spread:
-                place_c = self._place_c[tiles]
+                place_c = self._place_c.get(tiles) or self._place_constants(tiles)
                 _place(
                     _key(place_c, topk_ids), (groups, 1, 1), index,
                     (topk_ids, self._table, self._block_counts, pairs, self.first_expert),
