@@ -124,6 +124,28 @@ def test_real_patterns_are_accepted_and_match_as_re_match(pattern: str) -> None:
         assert quant_config._matches_any(entries, [name]) is bool(body.match(name)), name
 
 
+WILDCARDS = ["model.layers.*.mlp.gate", "*.shared_expert.*", "lm_hea*"]
+
+
+def test_the_patterns_share_one_expression_and_match_as_each_alone() -> None:
+    """The re: and wildcard entries run as one alternation (one match per module name),
+    except a pattern with global flags: a name matches where one entry alone matches it."""
+    entries = quant_config._entries(REAL + WILDCARDS, "ignore")
+    assert len(entries.patterns) == 2  # REAL's (?i) pattern keeps its own
+    for name in NAMES:
+        alone = [quant_config._entries([entry], "ignore") for entry in REAL + WILDCARDS]
+        expected = any(quant_config._matches_any(one, [name]) for one in alone)
+        assert quant_config._matches_any(entries, [name]) is expected, name
+    assert quant_config._matches_any(entries, ["model.layers.3.mlp.shared_expert"])  # "x.*"
+
+
+def test_patterns_whose_group_names_repeat_keep_their_own_expressions() -> None:
+    entries = quant_config._entries([r"re:(?P<x>.*)lm_head", r"re:(?P<x>.*)\.gate$"], "ignore")
+    assert len(entries.patterns) == 2
+    assert quant_config._matches_any(entries, ["model.layers.3.mlp.gate"])
+    assert not quant_config._matches_any(entries, ["model.layers.3.mlp.gate_proj"])
+
+
 @pytest.mark.parametrize(
     ("ignore", "expected"),
     [
