@@ -35,7 +35,9 @@ import torch
 import torch.distributed as dist
 
 from megamoe.core.backends.deepgemm_layout import KIND_SM90
+from megamoe.core.backends.reference import HOPPER_INTERMEDIATE_GROUP
 from megamoe.core.modules.experts_backend import PATH_MEGAMOE, PATH_SMALL_BATCH
+from megamoe.core.numerics.dispatch import DISPATCH_GROUP
 
 if TYPE_CHECKING:
     from megamoe.core.modules.experts import MegaMoEExperts
@@ -132,12 +134,14 @@ class LayerWork:
     def scratch_bytes_per_token(self) -> int:
         """The small-batch path's scratch per token of its cap, activations alone.
 
-        A token in FP8 with its float32 scale per 128 columns, and per slot its intermediate
-        in FP8 with a float32 scale per 64 columns and its bf16 output row
-        (``SmallBatchExperts``); the index tables add under 1% from 256 tokens on.
+        A token in FP8 with its float32 scales (the dispatch rule's groups), and per slot its
+        intermediate in FP8 with a float32 scale per group of the Hopper kernel's rounding
+        and its bf16 output row (``SmallBatchExperts``); the index tables add under 1% from
+        256 tokens on.
         """
-        token = self.hidden + 4 * self.hidden // 128
-        slot = self.intermediate + 4 * self.intermediate // 64 + 2 * self.hidden
+        token = self.hidden + 4 * self.hidden // DISPATCH_GROUP
+        slot = self.intermediate + 4 * self.intermediate // HOPPER_INTERMEDIATE_GROUP
+        slot += 2 * self.hidden
         return token + self.top_k * slot
 
     def active_experts(self, tokens: int) -> float:

@@ -1138,8 +1138,7 @@ class SmallBatchExperts:
                 f"multiples of {SCALE_BLOCK} (the block scales' size)"
             )
         # sized for tiles of the fewest pairs any may hold: every tile shape fits
-        tile_m = SMALLEST_BLOCK_M
-        most_experts, most_tokens = (1 << 31) // TILE_LIMIT, TILE_LIMIT * tile_m
+        most_experts, most_tokens = (1 << 31) // TILE_LIMIT, TILE_LIMIT * SMALLEST_BLOCK_M
         if num_experts > most_experts or max_tokens > most_tokens:
             raise ValueError(
                 f"small-batch experts: {num_experts} local experts and max_tokens {max_tokens}; "
@@ -1152,7 +1151,7 @@ class SmallBatchExperts:
         self.swiglu_limit = swiglu_limit
         self.max_tokens = max_tokens
         pairs = max_tokens * top_k
-        expert_tiles = most_expert_tiles(pairs, num_experts, tile_m)
+        expert_tiles = most_expert_tiles(pairs, num_experts, SMALLEST_BLOCK_M)
         self._table = torch.empty(
             3 * num_experts + 1 + 2 * pairs + TILES_HEADER + expert_tiles,
             dtype=torch.int32,
