@@ -1,4 +1,4 @@
-"""Decode and beyond on one H200 rank: the small-batch path, MegaMoE, DeepGEMM's GEMMs, the floor.
+"""Decode and beyond on one Hopper rank: the small-batch path, MegaMoE, DeepGEMM's GEMMs, the floor.
 
 For each real layer (Qwen4-Exp: E=512, top-10, H=2048, I=512; GLM-5.3-Flash: E=288, top-8,
 H=4096, I=2048, SwiGLU clamp 10) and each token count, one run measures on the same
@@ -13,8 +13,9 @@ takes one sample per round, ``--rounds`` rounds):
   ``m_grouped_fp8_fp4_gemm_nt_masked`` for L1 and L2 alone (no activation, no casts);
 - ``contiguous``: ``m_grouped_fp8_fp4_gemm_nt_contiguous`` for L1 and L2 alone, the tokens
   sorted by expert and each expert padded to 128 rows (measured from 256 tokens);
-- ``floor``: the larger of the active experts' weight bytes over 4.8 TB/s and their FLOPs
-  over 1979 TFLOP/s (H200 FP8 dense);
+- ``floor``: the larger of the active experts' weight bytes over the card's memory bandwidth
+  and their FLOPs over its dense FP8 peak (``CARD_PEAKS``: an H200 4.8 TB/s, an H100 SXM
+  3.35, both 1979 TFLOP/s; the report names the card);
 - ``chosen``: the path ``experts_path="auto"`` takes at that count
   (``megamoe.core.backends.small_batch``) and its time.
 
@@ -63,8 +64,10 @@ from megamoe.core.numerics import quant
 from megamoe.core.numerics.formats import WeightFormat
 
 FMT = WeightFormat.FP8_BLOCK
-PEAK_BYTES_PER_S = 4.8e12  # H200 HBM3e
-PEAK_FP8_FLOPS = 1979e12  # H200 dense FP8 (989e12 is its dense BF16)
+# Each card's memory bandwidth (bytes/s) and dense FP8 peak (FLOP/s), from its datasheet, by
+# what its CUDA name contains (the lent machines are H200s, at times H100 SXMs in their place)
+CARD_PEAKS = {"H200": (4.8e12, 1979e12), "H100 80GB HBM3": (3.35e12, 1979e12)}
+SAVED_CARD = "NVIDIA H200"  # the card of saved runs that do not name theirs (before 2026-12-05)
 # name: (experts, top-k, hidden, intermediate, SwiGLU clamp, shared intermediate)
 LAYERS = {
     "qwen4exp": (512, 10, 2048, 512, None, 512),
@@ -210,18 +213,31 @@ def calls_in_turn(calls: Sequence[Callable[..., Any]], *inputs: torch.Tensor) ->
     return run
 
 
+def card_peaks(card: str) -> tuple[float, float]:
+    """The memory bandwidth and dense FP8 peak of the card named ``card`` (``CARD_PEAKS``)."""
+    for known, peaks in CARD_PEAKS.items():
+        if known in card:
+            return peaks
+    raise SystemExit(
+        f"bench_decode: no datasheet peaks for the card {card!r} (CARD_PEAKS knows "
+        f"{', '.join(CARD_PEAKS)}); add its memory bandwidth and dense FP8 peak there"
+    )
+
+
 def floor_us(name: str, ids: torch.Tensor) -> tuple[int, float]:
-    """Active experts and the floor (weights over bandwidth, FLOPs over FP8 peak)."""
+    """Active experts and the floor on this process's CUDA card (weights over bandwidth,
+    FLOPs over FP8 peak)."""
     active = int(ids.unique().numel())
-    return active, active_floor_us(name, active, ids.shape[0])
+    return active, active_floor_us(name, active, ids.shape[0], torch.cuda.get_device_name())
 
 
-def active_floor_us(name: str, active: int, tokens: int) -> float:
-    """The floor of ``tokens`` tokens on ``active`` experts of layer ``name``."""
+def active_floor_us(name: str, active: int, tokens: int, card: str) -> float:
+    """The floor of ``tokens`` tokens on ``active`` experts of layer ``name`` on ``card``."""
     _, top_k, hidden, inter, _, _ = LAYERS[name]
     weight_bytes = active * 3 * hidden * inter
     flops = 2 * tokens * top_k * 3 * hidden * inter
-    return 1e6 * max(weight_bytes / PEAK_BYTES_PER_S, flops / PEAK_FP8_FLOPS)
+    bandwidth, fp8_flops = card_peaks(card)
+    return 1e6 * max(weight_bytes / bandwidth, flops / fp8_flops)
 
 
 def measure_layer(name: str, counts: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -283,10 +299,10 @@ def finish_row(row: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def rechosen(row: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+def rechosen(row: dict[str, Any], max_tokens: int, card: str) -> dict[str, Any]:
     """A saved row with the path this checkout's rule takes and this checkout's floor (of the
-    saved active experts); its times are the saved ones."""
-    floor = active_floor_us(row["layer"], row["active"], row["tokens"])
+    saved active experts, on the run's ``card``); its times are the saved ones."""
+    floor = active_floor_us(row["layer"], row["active"], row["tokens"], card)
     return finish_row(row | {"limit": rule_limit(row["layer"], max_tokens), "floor": floor})
 
 
@@ -366,7 +382,7 @@ def build_block(
     return block
 
 
-def plot(rows: list[dict[str, Any]], path: str) -> None:
+def plot(rows: list[dict[str, Any]], path: str, card: str) -> None:
     """Time per layer against tokens, log-log, per model: each path and the floor."""
     import matplotlib
 
@@ -385,7 +401,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
                 ax.plot(*zip(*points, strict=True), style, label=key)
         ax.plot(tokens, [r["floor"] for r in mine], "k-", linewidth=2, label="floor")
         ax.set(xscale="log", yscale="log", xlabel="tokens per rank", ylabel="us per layer",
-               title=f"{name}, one H200")  # fmt: skip
+               title=f"{name}, one {card.removeprefix('NVIDIA ')}")  # fmt: skip
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     fig.tight_layout()
@@ -399,23 +415,27 @@ def main(argv: Sequence[str] | None = None) -> None:
         report = json.loads(Path(args.from_json).read_text())
         rows, block_rows = report["rows"], report.get("blocks", [])
         max_tokens = max(row["tokens"] for row in rows)
-        rows = [rechosen(row, max_tokens) for row in rows]
+        card = report.get("card", SAVED_CARD)
+        rows = [rechosen(row, max_tokens, card) for row in rows]
         if block_rows:
             block_max = max(row["tokens"] for row in block_rows)
             block_rows = [block_chosen(row, block_max) for row in block_rows]
         print("chosen: this checkout's rule (backends.small_batch) on the saved times")
     else:
         torch.cuda.set_device(0)
+        card = torch.cuda.get_device_name()
+        print(f"card: {card}; floor at {card_peaks(card)[0] / 1e12:.2f} TB/s", flush=True)
         counts = [int(t) for t in args.tokens.split(",")]
         rows = [row for name in args.models.split(",") for row in measure_layer(name, counts, args)]
         block_counts = [int(t) for t in args.blocks.split(",") if t]
         block_rows = measure_blocks(block_counts, args) if block_counts else []
-        write_json(args.json, {"args": vars(args), "rows": rows, "blocks": block_rows})
+        write_json(args.json, {"args": vars(args), "card": card, "rows": rows,
+                               "blocks": block_rows})  # fmt: skip
     print(format_table(table_columns(), [[r.get(k) for _, _, k in COLUMNS] for r in rows]))
     if block_rows:
         print(block_table(block_rows))
     if args.plot:
-        plot(rows, args.plot)
+        plot(rows, args.plot, card)
 
 
 if __name__ == "__main__":

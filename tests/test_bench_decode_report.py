@@ -48,7 +48,7 @@ def test_the_saved_run_is_reported_with_this_checkouts_rule(
             "small_batch" if row["tokens"] <= crossover_tokens(work, max_tokens) else "megamoe"
         )
         assert lines[(row["layer"], row["tokens"])][10] == expected, (row["layer"], row["tokens"])
-        again = bench.rechosen(row, max_tokens)
+        again = bench.rechosen(row, max_tokens, bench.SAVED_CARD)
         assert again["chosen"] == expected
         assert again["chosen_us"] == row["small" if expected == "small_batch" else "megamoe"]
 
@@ -65,3 +65,17 @@ def test_a_saved_blocks_auto_is_the_path_this_checkouts_rule_takes(bench: Module
         assert again["auto_path"] == path, (row["block"], row["tokens"])
         assert again["auto"] == row[path]
         assert again["auto/megamoe"] == row[path] / row["megamoe"]
+
+
+def test_the_floor_is_the_runs_cards(bench: ModuleType) -> None:
+    """A run on an H100 SXM (3.35 TB/s) has a floor 4.8/3.35 times the H200's where the
+    weights bound it; a saved run that names no card was an H200's; an unknown card is
+    refused by name."""
+    row = json.loads(SAVED.read_text())["rows"][0]
+    assert row["tokens"] == 1  # one token: the weights' bytes bound the floor
+    h200 = bench.rechosen(row, 8192, bench.SAVED_CARD)["floor"]
+    h100 = bench.rechosen(row, 8192, "NVIDIA H100 80GB HBM3")["floor"]
+    assert h100 / h200 == pytest.approx(4.8 / 3.35)
+    assert h200 == pytest.approx(row["floor"])  # the saved run's own floor (an H200's)
+    with pytest.raises(SystemExit, match=r"'NVIDIA B200'.*CARD_PEAKS"):
+        bench.card_peaks("NVIDIA B200")
