@@ -8,7 +8,8 @@ one sample per round (``--rounds``), so the ratios are side by side. Each row sa
 
 - ``us``: microseconds per layer, CUDA-graph replay median over ``--layers`` weight copies
   called in turn (no layer finds its weights in L2);
-- ``floor``: the ratio to the active experts' bytes over 4.8 TB/s (``bench_decode``'s floor);
+- ``floor``: the ratio to ``bench_decode``'s floor on this card (the active experts' bytes over its
+  memory bandwidth, 4.8 TB/s on an H200, 3.35 on an H100 SXM);
 - ``vs first``: the ratio to the first shape's time;
 - ``bits``: whether the output equals the first shape's bit for bit (it must: the tile
   shape changes which program computes a row, not how);
