@@ -13,7 +13,12 @@ shape (grouped pairs, the tiles' warps and stages), with
   per warp in steps of 256), its 228 KB of shared memory (1 KB reserved per program) and
   its 64 warps allow;
 - ``launched``: programs per SM the persistent tiles start (``Tiles.l1_per_sm``,
-  ``Tiles.l2_per_sm``), where more than ``fit`` start only as others end.
+  ``Tiles.l2_per_sm``), where more than ``fit`` start only as others end;
+- ``in_flight``: the most tensor-core dot groups the kernel leaves running at a wait
+  (``wgmma.wait_group N`` in its PTX). 0: each step's dot is waited for before the next
+  is issued, so a program's tensor-core work and its other work take turns (what a block
+  scale applied to each step's dot makes Triton's pipeliner do); 1: the next dot runs
+  while this one's result is used.
 
     python benchmarks/kernel_resources.py --json resources.json
     python benchmarks/kernel_resources.py --tiles BATCH_TILES:block_m=64,stages=4
@@ -59,7 +64,9 @@ COLUMNS = [
     ("smem", ">6d"),
     ("fit", ">3d"),
     ("launched", ">8"),
+    ("in_flight", ">9d"),
 ]
+WGMMA_WAIT = re.compile(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)")
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -141,6 +148,18 @@ def resources(compiled: Any, cuobjdump: str) -> tuple[int, int]:
     return int(found.group(1)), int(found.group(2))
 
 
+def dots_in_flight(ptx: str) -> int:
+    """The most ``wgmma`` groups left running at any ``wgmma.wait_group`` of ``ptx``.
+
+    Raises:
+        ValueError: ``ptx`` waits on no ``wgmma`` (a kernel with no Hopper tensor-core dot).
+    """
+    pending = [int(n) for n in WGMMA_WAIT.findall(ptx)]
+    if not pending:
+        raise ValueError("the PTX has no wgmma.wait_group: no Hopper tensor-core dot was emitted")
+    return max(pending)
+
+
 def programs_per_sm(regs: int, smem: int, warps: int) -> int:
     """Programs of ``warps`` warps one sm90 SM holds at once."""
     per_warp = -(-regs * 32 // REGISTER_STEP) * REGISTER_STEP
@@ -166,6 +185,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                     "stages": stages, "regs": regs, "stack": stack, "smem": smem,
                     "fit": programs_per_sm(regs, smem, tiles.warps),
                     "launched": str(launched),
+                    "in_flight": dots_in_flight(compiled.asm["ptx"]),
                 })  # fmt: skip
                 print(format_table(COLUMNS, [[rows[-1][c] for c, _ in COLUMNS]]).splitlines()[-1],
                       flush=True)  # fmt: skip

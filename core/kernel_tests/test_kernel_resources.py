@@ -66,3 +66,15 @@ def test_a_tile_shape_is_named_with_the_fields_it_changes(
         kernel_resources.tile_shape("NOPE")
     with pytest.raises(SystemExit, match="Tiles has no field 'block_k'"):
         kernel_resources.tile_shape("BATCH_TILES:block_k=64")
+
+
+def test_dots_in_flight_is_the_most_wgmma_groups_a_wait_leaves_running(
+    kernel_resources: ModuleType,
+) -> None:
+    """The ``in_flight`` column: 0 where every dot is waited for at once, 1 where one runs on."""
+    waited_at_once = "wgmma.commit_group.sync.aligned;\n\twgmma.wait_group.sync.aligned 0;\n"
+    assert kernel_resources.dots_in_flight(waited_at_once) == 0
+    one_running = waited_at_once + "\twgmma.wait_group.sync.aligned  1;\n"
+    assert kernel_resources.dots_in_flight(one_running) == 1
+    with pytest.raises(ValueError, match=r"no wgmma\.wait_group"):
+        kernel_resources.dots_in_flight("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32;")
