@@ -19,6 +19,20 @@ one sample per round (``--rounds``), so the ratios are side by side. Each row sa
     python benchmarks/bench_tiles.py --tokens 1536,2048,4096 \\
         --tiles "BATCH_TILES BATCH_TILES:claim=True BATCH_TILES:l2_per_sm=4" --json tiles.json
 
+``--probes`` adds, after the shapes, the first shape again on kernels changed to show where
+the time goes: timing probes, whose outputs are wrong by design (``bits`` False):
+
+- ``unscaled``: l1 and l2 chain each step's tensor-core dot into the accumulator with no
+  block scale (``acc = tl.dot(w, x, acc)``), so Triton keeps one dot running while the next
+  step's operands arrive (``kernel_resources.py``'s ``in_flight`` 1, production 0): the most
+  that a kernel scaling one step's dot while the next runs could save;
+- ``weights_in_l2``: every expert's tiles read expert 0's weights (its block scales stay
+  the expert's), which stay in L2: the time without the weights' memory traffic;
+- ``unscaled+weights_in_l2``: both.
+
+    python benchmarks/bench_tiles.py --models qwen4exp --tokens 2048,4096 --tiles WIDE_TILES \\
+        --probes "unscaled weights_in_l2 unscaled+weights_in_l2" --json probes.json
+
 ``kernel_resources.py`` says beforehand whether a shape spills or fits fewer programs per
 SM than it launches. Needs a CUDA device with DeepGEMM (the layers load through it).
 """
@@ -27,7 +41,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import tempfile
 from collections.abc import Iterator, Sequence
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -35,7 +52,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench_decode import LAYERS, build_layer, calls_in_turn, floor_us, routing
 from harness import back_to_back_sample, cuda_graph_replay, format_table, interleaved_us, write_json
-from kernel_resources import tile_shape
+from kernel_resources import PROBE_EDITS, probe_kernels, tile_shape
 from megamoe.core.kernels import experts_small_batch as kernels
 
 COLUMNS = [
@@ -57,6 +74,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--models", default="qwen4exp,glm53flash")
     p.add_argument("--tiles", default="MIDSIZE_TILES BATCH_TILES WIDE_TILES",
                    help="tile shapes, space-separated; the first is the baseline")  # fmt: skip
+    p.add_argument("--probes", default="",
+                   help="timing probes after the shapes, space-separated: "
+                   f"{', '.join(PROBE_EDITS)}, or several joined by + (outputs wrong)")  # fmt: skip
     p.add_argument("--layers", type=int, default=2, help="weight copies per graph")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--reps", type=int, default=10, help="replays per sample")
@@ -75,6 +95,17 @@ def forced(tiles: kernels.Tiles) -> Iterator[None]:
         kernels.tiles_for = rule
 
 
+@contextlib.contextmanager
+def probed(module: ModuleType) -> Iterator[None]:
+    """Every call of the small-batch path launches ``module``'s l1 and l2 kernels."""
+    launches = kernels._l1, kernels._l2
+    kernels._l1, kernels._l2 = module._l1, module._l2
+    try:
+        yield
+    finally:
+        kernels._l1, kernels._l2 = launches
+
+
 def launch_us(fn: Any, layers: int, calls: int = 3) -> str:
     """Each kernel's microseconds per layer call, from the profiler over ``calls`` eager calls."""
     fn()
@@ -91,7 +122,13 @@ def launch_us(fn: Any, layers: int, calls: int = 3) -> str:
     return " ".join(f"{name}={us:.0f}" for name, us in times.items())
 
 
-def measure(name: str, counts: list[int], shapes: list[tuple[str, Any]], args: argparse.Namespace):
+def measure(
+    name: str,
+    counts: list[int],
+    shapes: list[tuple[str, Any, ModuleType | None]],
+    args: argparse.Namespace,
+) -> list[dict[str, Any]]:
+    """``name``'s rows: each (label, tile shape, probe kernels or None) at each token count."""
     experts, top_k = LAYERS[name][:2]
     layers = [build_layer(name, 100 + i, max(counts), "small_batch") for i in range(args.layers)]
     rows = []
@@ -100,8 +137,8 @@ def measure(name: str, counts: list[int], shapes: list[tuple[str, Any]], args: a
         _, floor = floor_us(name, ids)
         call = calls_in_turn(layers, x, weights, ids)
         samplers, bits, split, first = {}, {}, {}, None
-        for spec, tiles in shapes:
-            with forced(tiles):
+        for spec, tiles, probe in shapes:
+            with forced(tiles), probed(probe) if probe else contextlib.nullcontext():
                 out = layers[0](x, weights, ids).clone()
                 first = out if first is None else first
                 bits[spec] = torch.equal(out.view(torch.int16), first.view(torch.int16))
@@ -109,7 +146,7 @@ def measure(name: str, counts: list[int], shapes: list[tuple[str, Any]], args: a
                 split[spec] = launch_us(call, args.layers)
         times = interleaved_us(samplers, warmup=2, rounds=args.rounds)
         base = times[shapes[0][0]]
-        for spec, _ in shapes:
+        for spec, _, _ in shapes:
             row = {"layer": name, "tokens": tokens, "pairs/expert": tokens * top_k / experts,
                    "tiles": spec, "us": times[spec] / args.layers,
                    "floor": times[spec] / args.layers / floor, "vs first": times[spec] / base,
@@ -124,12 +161,20 @@ def measure(name: str, counts: list[int], shapes: list[tuple[str, Any]], args: a
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse(argv)
-    shapes = [tile_shape(spec) for spec in args.tiles.split()]
+    shapes: list[tuple[str, Any, ModuleType | None]] = [
+        (*tile_shape(spec), None) for spec in args.tiles.split()
+    ]
     counts = [int(t) for t in args.tokens.split(",")]
-    print(format_table(COLUMNS, []), flush=True)
-    rows = []
-    for name in args.models.split(","):
-        rows += measure(name, counts, shapes, args)
+    with tempfile.TemporaryDirectory() as folder:
+        first, tiles, _ = shapes[0]
+        shapes += [
+            (f"{first} {probe}", tiles, probe_kernels(probe, Path(folder)))
+            for probe in args.probes.split()
+        ]
+        print(format_table(COLUMNS, []), flush=True)
+        rows = []
+        for name in args.models.split(","):
+            rows += measure(name, counts, shapes, args)
     write_json(args.json, rows)
 
 

@@ -18,24 +18,32 @@ import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 from benchmark_scripts import load_benchmark
+from tile_forcing import candidate_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "benchmarks" / "kernel_resources.py"
 
 
-def test_the_tile_shapes_compile_without_spills_and_their_programs_fit(tmp_path: Path) -> None:
+def compiled_rows(tmp_path: Path, *args: str) -> list[dict[str, Any]]:
+    """``kernel_resources.py``'s rows, compiled in a process of its own (no interpreter)."""
     report = tmp_path / "resources.json"
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     run = subprocess.run(
-        [sys.executable, str(TOOL), "--json", str(report)],
+        [sys.executable, str(TOOL), *args, "--json", str(report)],
         env=env | {"TRITON_CACHE_DIR": str(tmp_path / "triton")},
         capture_output=True, text=True, cwd=ROOT, check=False,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
-    rows = json.loads(report.read_text())
+    rows: list[dict[str, Any]] = json.loads(report.read_text())
+    return rows
+
+
+def test_the_tile_shapes_compile_without_spills_and_their_programs_fit(tmp_path: Path) -> None:
+    rows = compiled_rows(tmp_path)
     shapes = {(row["layer"], row["tiles"], row["kernel"]) for row in rows}
     assert len(shapes) == 2 * 4 * 2, sorted(shapes)  # both layers, four tile shapes, l1 and l2
     for row in rows:
@@ -44,6 +52,36 @@ def test_the_tile_shapes_compile_without_spills_and_their_programs_fit(tmp_path:
         assert row["fit"] >= 1, f"{where}: no program fits an SM: {row}"
         if row["launched"] != "-":
             assert row["fit"] >= int(row["launched"]), f"{where}: programs left waiting: {row}"
+
+
+def test_the_token_rows_candidate_fits_three_programs_an_sm_without_spills(
+    tmp_path: Path,
+) -> None:
+    """The candidate past 32 pairs per expert: with the tokens as the dots' rows, l1 and l2
+    hold at most 168 registers a thread without spilling (the production 64-token tiles'
+    weight rows spill at that limit), so three of each fit an SM, where two do now."""
+    rows = compiled_rows(tmp_path, "--tiles", f"WIDE_TILES {candidate_spec()}")
+    by_shape = {(row["layer"], row["tiles"] == "WIDE_TILES", row["kernel"]): row for row in rows}
+    for (layer, production, kernel), row in by_shape.items():
+        where = f"{layer} {row['tiles']} {kernel}"
+        assert row["stack"] == 0, f"{where} spills: {row}"
+        assert row["fit"] == (2 if production else 3), f"{where}: {row}"
+        assert row["fit"] >= int(row["launched"]), f"{where}: programs left waiting: {row}"
+    assert len(by_shape) == 2 * 2 * 2, sorted(by_shape)
+
+
+def test_the_timing_probes_apply_to_the_kernels_and_unscaled_keeps_a_dot_running(
+    tmp_path: Path,
+) -> None:
+    """``bench_tiles.py --probes``' edits still find their production lines (a kernel change
+    that moves one fails here, not on the GPU), and the unscaled probe's persistent kernels
+    leave a tensor-core dot running at their waits where the production ones leave none."""
+    tiles = f"WIDE_TILES {candidate_spec()}"
+    for probe, in_flight in (("unscaled", 1), ("weights_in_l2", 0)):
+        rows = compiled_rows(tmp_path, "--probe", probe, "--layers", "qwen4exp", "--tiles", tiles)
+        assert len(rows) == 4, rows
+        for row in rows:
+            assert row["in_flight"] == in_flight, f"{probe}: {row}"
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 from bitcheck import assert_bitwise_equal, relative_error
-from tile_forcing import force_tiles, variant
+from tile_forcing import TOKEN_ROWS_CANDIDATE, force_tiles, variant
 
 from megamoe.core.backends.deepgemm_layout import L1_ROW_ORDER
 from megamoe.core.backends.small_batch import LayerWork
@@ -187,10 +187,21 @@ def test_every_tile_shape_gives_the_same_bits(
     the decode grid with l2 waiting per expert (l1's programs no longer run at once); a
     quarter of the experts are another rank's (ids 0-3), skipped; the per-expert counts are
     zero after every call, and every claimed item was claimed once (the counters end at the
-    items plus one failed claim per program)."""
+    items plus one failed claim per program). The 64-token tiles with the tokens as the
+    dots' rows, persistent (three programs per SM of at most 168 registers a thread: the
+    shape ``h200.sh`` times beside the production one) and in the decode grid, give the
+    same bits."""
     kernels = gpu_like_interpreter
     first = EXPERTS // 4
     taking = variant(kernels, "BATCH_TILES", claim=False)
+    token_rows = {
+        "WIDE_TILES with token rows, 3 programs per SM": variant(
+            kernels, "WIDE_TILES", **TOKEN_ROWS_CANDIDATE
+        ),
+        "64-token decode grid with token rows": variant(
+            kernels, "MIDSIZE_TILES", block_m=64, token_rows=True
+        ),
+    }  # fmt: skip
     experts = kernel_weights(kernels, references[(10.0, True)], first)
     call = kernel_call(kernels, 10.0, first)
     x, weights, ids = routing(128, seed=7, mode=mode)
@@ -205,6 +216,7 @@ def test_every_tile_shape_gives_the_same_bits(
         results[name] = call.forward(experts, x, None, weights, ids)
         if getattr(kernels, name).claim:
             claims.append(claim_counters(kernels, call, ids.numel(), getattr(kernels, name), 132))
+    sms = call._sms
     monkeypatch.setattr(call, "_sms", 4)
     force_tiles(monkeypatch, kernels, "BATCH_TILES")
     results["BATCH_TILES claiming on 4 SMs"] = call.forward(experts, x, None, weights, ids)
@@ -215,6 +227,10 @@ def test_every_tile_shape_gives_the_same_bits(
     )
     force_tiles(monkeypatch, kernels, "DECODE_TILES")
     results["DECODE_TILES waiting per expert"] = call.forward(experts, x, None, weights, ids)
+    monkeypatch.setattr(call, "_sms", sms)
+    for name, tiles in token_rows.items():
+        force_tiles(monkeypatch, kernels, tiles)
+        results[name] = call.forward(experts, x, None, weights, ids)
     for name, got in results.items():
         assert_bitwise_equal(got, expected, f"{mode}: {name}")
     assert int(call._l1_done.count_nonzero()) == 0
@@ -337,6 +353,10 @@ def test_bad_shapes_and_weights_are_refused_by_name(
             block_m=8, block_n2=64, warps=4, stages=2, l2_step=1, pdl=False, persistent=True,
             spread=True,
         )  # fmt: skip
+    with pytest.raises(ValueError, match=r"token_rows with block_m=32; .* in 64s: use a block_m"):
+        variant(kernels, "BATCH_TILES", token_rows=True)
+    with pytest.raises(ValueError, match=r"max_registers=300; 0 \(the compiler's choice\) or 24"):
+        variant(kernels, "WIDE_TILES", max_registers=300)
     w13 = kernel_weights(kernels, references[(None, True)]).w13
     with pytest.raises(ValueError, match="small-batch experts: w13 "):
         kernels.ExpertWeights(w13.transpose(1, 2), None, w13, None)  # type: ignore[arg-type]

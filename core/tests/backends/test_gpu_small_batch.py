@@ -17,7 +17,7 @@ import torch
 from bitcheck import assert_bitwise_equal, relative_error
 from graph_check import replayed_output
 from memory import canonical_bytes, resident_bytes
-from tile_forcing import force_tiles, variant
+from tile_forcing import TOKEN_ROWS_CANDIDATE, force_tiles, variant
 
 from megamoe.core.backends.deepgemm import DeepGemmBackend
 from megamoe.core.backends.small_batch import KERNEL_MODULE
@@ -298,9 +298,15 @@ def test_every_tile_shape_and_grouping_gives_the_same_bits(
     more than a place program sums per step) for the persistent programs and for the decode
     grid of 32-token tiles; the persistent programs claim their items (their atomic claims
     racing) in tiles of 64 and 32 tokens, or take them in turn; the decode tiles are grouped
-    by one program: all give the same bits. A third of the experts are another rank's."""
+    by one program: all give the same bits, and so do 64-token tiles with the tokens as the
+    dots' rows (the persistent candidate, and in the decode grid). A third of the experts
+    are another rank's."""
     kernels = importlib.import_module(KERNEL_MODULE)
     taking = variant(kernels, "WIDE_TILES", claim=False)
+    token_rows = (
+        variant(kernels, "WIDE_TILES", **TOKEN_ROWS_CANDIDATE),
+        variant(kernels, "MIDSIZE_TILES", block_m=64, token_rows=True),
+    )
     first, tokens = SHAPES["qwen4exp"][0] // 3, 1200
     weights, call = kernel_call("qwen4exp", first, tokens)
     x, topk_weights, ids = routing("qwen4exp", tokens, seed=17, mode=mode)
@@ -308,7 +314,7 @@ def test_every_tile_shape_and_grouping_gives_the_same_bits(
         ids[:, 0] = first + 1  # a local expert: 1200 of its pairs, 38 tiles
     assert kernels.tiles_for(tokens, call.top_k, call.num_experts) is kernels.WIDE_TILES
     persistent = call.forward(weights, x, None, topk_weights, ids)
-    for tiles in ("MIDSIZE_TILES", "DECODE_TILES", "BATCH_TILES", taking):
+    for tiles in ("MIDSIZE_TILES", "DECODE_TILES", "BATCH_TILES", taking, *token_rows):
         force_tiles(monkeypatch, kernels, tiles)
         got = call.forward(weights, x, None, topk_weights, ids)
         assert_bitwise_equal(got, persistent, f"{mode} {tiles}")

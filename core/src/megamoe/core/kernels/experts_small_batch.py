@@ -102,6 +102,8 @@ TOKEN_AMAX_FLOOR = 1e-10  # the dispatch rule's amax floor (DISPATCH_AMAX_FLOOR)
 ACT_AMAX_FLOOR = 1e-4  # the intermediate's amax floor (the Hopper kernel's, AMAX_FLOOR)
 TILE_LIMIT = 1 << 16  # an expert tile entry: expert * TILE_LIMIT + its tile (of fewer tiles)
 SMALLEST_BLOCK_M = 16  # the fewest pairs a tile holds (a tensor-core dot's least rows)
+TOKEN_ROW_BLOCK = 64  # rows of a Hopper tensor-core dot (wgmma) per warp group
+MIN_REGISTERS, MAX_REGISTERS = 24, 255  # what ptxas takes as a thread's register limit
 # The route table's expert tiles come after a header: their number, then the counters from
 # which l1's and l2's persistent programs claim their items (``Tiles.claim``).
 TILES_HEADER = 3
@@ -150,6 +152,19 @@ class Tiles:
     (2026-12-05, ``bench_tiles.py``) GLM-5.3-Flash's layer took 7-9% less at 1024-4096
     tokens (2093.6 to 1949.0 us at 1024), Qwen4-Exp's changed by under 1%: its tiles past
     the first still cost about half a stream of its weights each, read from L2.
+    ``token_rows``: the dots' rows are the tile's tokens and their columns the weights' rows
+    (``block_m`` a multiple of 64, a Hopper tensor-core dot's rows), in place of the
+    weights' rows by the tokens (what tiles of 16 or 32 tokens need). Each step's per-token
+    block scales then lie along the rows of a thread's part of the product, a few values a
+    thread, where along its columns they take many: on 64-token tiles, compiled for sm90,
+    l1 takes 203 registers a thread in place of 255 and l2 178 in place of 249
+    (``kernel_resources.py``). The same products summed in the same order: the
+    interpreter gives the weight-row tiles' bits (``core/kernel_tests``), the GPU's are
+    compared in ``test_gpu_small_batch.py``.
+    ``max_registers``: the most registers a thread of l1 and l2 may take (``maxnreg``; 0:
+    the compiler's choice), so that more programs share an SM (at most 168 for three
+    programs of 4 warps); a kernel that needs more spills to its stack
+    (``kernel_resources.py`` says).
     """
 
     block_m: int
@@ -163,12 +178,25 @@ class Tiles:
     l1_per_sm: int = 2
     l2_per_sm: int = 3
     claim: bool = False
+    token_rows: bool = False
+    max_registers: int = 0
 
     def __post_init__(self) -> None:
         if self.block_m < SMALLEST_BLOCK_M:
             raise ValueError(
                 f"Tiles: block_m={self.block_m}; at least {SMALLEST_BLOCK_M} (the least rows "
                 "of a tensor-core dot, and what the route table is sized for)"
+            )
+        if self.token_rows and self.block_m % TOKEN_ROW_BLOCK:
+            raise ValueError(
+                f"Tiles: token_rows with block_m={self.block_m}; the tokens are the dots' rows "
+                f"then, which a Hopper tensor-core dot takes in {TOKEN_ROW_BLOCK}s: use a "
+                f"block_m multiple of {TOKEN_ROW_BLOCK}, or token_rows=False"
+            )
+        if self.max_registers and not MIN_REGISTERS <= self.max_registers <= MAX_REGISTERS:
+            raise ValueError(
+                f"Tiles: max_registers={self.max_registers}; 0 (the compiler's choice) or "
+                f"{MIN_REGISTERS} to {MAX_REGISTERS} registers a thread"
             )
 
 
@@ -706,12 +734,14 @@ def _l1_tile(
     CLAMP: tl.constexpr,
     LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    TOKEN_ROWS: tl.constexpr,
 ) -> None:
     """``expert``'s intermediate columns ``64 * tile ..`` for the ``BLOCK_M`` rows ``pair``.
 
     ``w13_desc``: the (E * 2I, H) weights in 128x128 tiles. Columns 64t..64t+63 are stored
     rows 128t..128t+127: 8 gate rows, then the same 8 columns' up rows, and so on (L1
-    order); one dot covers both, split afterwards.
+    order); one dot covers both, split afterwards. The dot's rows are those 128 weight rows
+    and its columns the tokens, or with ``TOKEN_ROWS`` (``Tiles.token_rows``) the other way.
     """
     KB: tl.constexpr = HIDDEN // 128
     n = tile * 64 + tl.arange(0, 64)
@@ -722,29 +752,45 @@ def _l1_tile(
     up_scales = scale_base + ((INTERMEDIATE + tile * 64) // 128) * KB
     is_gate = (tl.arange(0, 128) // 8) % 2 == 0
     token = pair // TOP_K
-    acc = tl.zeros([128, BLOCK_M], tl.float32)
+    # the axis of the tokens in the dot's output, and of the columns
+    TOKENS: tl.constexpr = 0 if TOKEN_ROWS else 1
+    COLUMNS: tl.constexpr = 1 - TOKENS
+    if TOKEN_ROWS:
+        acc = tl.zeros([BLOCK_M, 128], tl.float32)
+    else:
+        acc = tl.zeros([128, BLOCK_M], tl.float32)
     for kb in range(KB):
         cols = kb * 128 + k
         w = w13_desc.load([w_row, kb * 128])
         x_at = x_ptr + token[:, None] * HIDDEN + cols[None, :]
-        x_t = tl.trans(tl.load(x_at, mask=m_ok[:, None], other=0.0))
+        x = tl.load(x_at, mask=m_ok[:, None], other=0.0)
         x_scale = tl.load(x_scale_ptr + token * KB + kb, mask=m_ok, other=0.0)
         w_scale = tl.where(is_gate, tl.load(gate_scales + kb), tl.load(up_scales + kb))
-        acc += tl.dot(w, x_t) * (w_scale[:, None] * x_scale[None, :])
-    acc = tl.permute(tl.reshape(acc, (8, 2, 8, BLOCK_M)), (0, 2, 3, 1))
+        if TOKEN_ROWS:
+            acc += tl.dot(x, tl.trans(w)) * (w_scale[None, :] * x_scale[:, None])
+        else:
+            acc += tl.dot(w, tl.trans(x)) * (w_scale[:, None] * x_scale[None, :])
+    if TOKEN_ROWS:
+        acc = tl.permute(tl.reshape(acc, (BLOCK_M, 8, 2, 8)), (0, 1, 3, 2))
+    else:
+        acc = tl.permute(tl.reshape(acc, (8, 2, 8, BLOCK_M)), (0, 2, 3, 1))
     gate, up = tl.split(acc)
-    gate = tl.reshape(gate, (64, BLOCK_M))
-    up = tl.reshape(up, (64, BLOCK_M))
+    if TOKEN_ROWS:
+        gate = tl.reshape(gate, (BLOCK_M, 64))
+        up = tl.reshape(up, (BLOCK_M, 64))
+    else:
+        gate = tl.reshape(gate, (64, BLOCK_M))
+        up = tl.reshape(up, (64, BLOCK_M))
     if CLAMP:
         gate = tl.minimum(gate, LIMIT)
         up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
     act = tl.math.div_rn(gate, 1.0 + libdevice.exp(-gate)) * up
-    act *= tl.load(weights_ptr + pair, mask=m_ok, other=0.0)[None, :]
-    amax = tl.maximum(tl.max(tl.abs(act), axis=0), _ACT_AMAX_FLOOR)
+    act *= tl.expand_dims(tl.load(weights_ptr + pair, mask=m_ok, other=0.0), COLUMNS)
+    amax = tl.maximum(tl.max(tl.abs(act), axis=COLUMNS), _ACT_AMAX_FLOOR)
     exponent = ceil_ue8m0_exponent(amax * _E4M3_RECIPROCAL)
-    act_fp8 = (act * ue8m0_reciprocal(exponent)[None, :]).to(tl.float8e4nv)
-    at = pair[None, :].to(tl.int64) * INTERMEDIATE + n[:, None]
-    tl.store(act_ptr + at, act_fp8, mask=m_ok[None, :])
+    act_fp8 = (act * tl.expand_dims(ue8m0_reciprocal(exponent), COLUMNS)).to(tl.float8e4nv)
+    at = tl.expand_dims(pair.to(tl.int64), COLUMNS) * INTERMEDIATE + tl.expand_dims(n, TOKENS)
+    tl.store(act_ptr + at, act_fp8, mask=tl.expand_dims(m_ok, COLUMNS))
     act_scale = (exponent << 23).to(tl.float32, bitcast=True)
     tl.store(act_scale_ptr + pair * (INTERMEDIATE // 64) + tile, act_scale, mask=m_ok)
 
@@ -768,6 +814,7 @@ def _l1_item(
     CLAMP: tl.constexpr,
     LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    TOKEN_ROWS: tl.constexpr,
 ) -> None:
     """A persistent l1 program's item ``item`` (``_items``: an expert tile, 64 columns)."""
     NT: tl.constexpr = INTERMEDIATE // 64
@@ -775,6 +822,7 @@ def _l1_item(
     _l1_tile(
         x_ptr, x_scale_ptr, w13_desc, w13_scale_ptr, weights_ptr, act_ptr, act_scale_ptr,
         expert, column, pair, m_ok, TOP_K, HIDDEN, INTERMEDIATE, CLAMP, LIMIT, BLOCK_M,
+        TOKEN_ROWS,
     )  # fmt: skip
 
 
@@ -805,6 +853,7 @@ def _l1_kernel(
     PERSISTENT: tl.constexpr,
     PER_EXPERT: tl.constexpr,
     CLAIM: tl.constexpr,
+    TOKEN_ROWS: tl.constexpr,
 ) -> None:
     """One expert's 64 intermediate columns ``program_id(0)``, or with ``PERSISTENT`` items.
 
@@ -830,7 +879,7 @@ def _l1_kernel(
                 _l1_item(
                     x_ptr, x_scale_ptr, w13_desc, w13_scale_ptr, weights_ptr, table_ptr, act_ptr,
                     act_scale_ptr, item, num_pairs, NUM_EXPERTS, TOP_K, HIDDEN, INTERMEDIATE,
-                    CLAMP, LIMIT, BLOCK_M,
+                    CLAMP, LIMIT, BLOCK_M, TOKEN_ROWS,
                 )  # fmt: skip
                 item = claimed
         else:
@@ -838,7 +887,7 @@ def _l1_kernel(
                 _l1_item(
                     x_ptr, x_scale_ptr, w13_desc, w13_scale_ptr, weights_ptr, table_ptr, act_ptr,
                     act_scale_ptr, item, num_pairs, NUM_EXPERTS, TOP_K, HIDDEN, INTERMEDIATE,
-                    CLAMP, LIMIT, BLOCK_M,
+                    CLAMP, LIMIT, BLOCK_M, TOKEN_ROWS,
                 )  # fmt: skip
     else:
         skip, expert, count, sorted_ptr, mine, rank, q = _program_expert(
@@ -853,7 +902,7 @@ def _l1_kernel(
             _l1_tile(
                 x_ptr, x_scale_ptr, w13_desc, w13_scale_ptr, weights_ptr, act_ptr, act_scale_ptr,
                 expert, tl.program_id(0), pair, m_ok, TOP_K, HIDDEN, INTERMEDIATE, CLAMP, LIMIT,
-                BLOCK_M,
+                BLOCK_M, TOKEN_ROWS,
             )  # fmt: skip
         if PER_EXPERT:
             _mark_done(l1_done_ptr, expert)
@@ -875,11 +924,13 @@ def _l2_tile(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STEP: tl.constexpr,
+    TOKEN_ROWS: tl.constexpr,
 ) -> None:
     """``expert``'s output columns ``BLOCK_N * tile ..`` for the ``BLOCK_M`` rows ``pair``.
 
     ``w2_desc``: the (E * H, I) weights in ``BLOCK_N`` x 64 tiles; ``STEP`` of them per loop
-    step.
+    step. The dot's rows are the output columns and its columns the tokens, or with
+    ``TOKEN_ROWS`` (``Tiles.token_rows``) the other way.
     """
     KS: tl.constexpr = INTERMEDIATE // 128
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -887,18 +938,27 @@ def _l2_tile(
     w_row = expert * HIDDEN + tile * BLOCK_N
     scales = w2_scale_ptr + expert.to(tl.int64) * (HIDDEN // 128) * KS
     scales += ((tile * BLOCK_N) // 128) * KS
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    TOKENS: tl.constexpr = 0 if TOKEN_ROWS else 1  # the tokens' axis in the dot's output
+    COLUMNS: tl.constexpr = 1 - TOKENS
+    if TOKEN_ROWS:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for kb0 in range(0, INTERMEDIATE // 64, STEP):
         for step in tl.static_range(STEP):
             kb = kb0 + step
             cols = kb * 64 + k
             act_at = act_ptr + pair[:, None] * INTERMEDIATE + cols[None, :]
-            act_t = tl.trans(tl.load(act_at, mask=m_ok[:, None], other=0.0))
+            act = tl.load(act_at, mask=m_ok[:, None], other=0.0)
             act_scale = tl.load(act_scale_ptr + pair * (INTERMEDIATE // 64) + kb, mask=m_ok)
             w = w2_desc.load([w_row, kb * 64])
-            acc += tl.dot(w, act_t) * (act_scale[None, :] * tl.load(scales + kb // 2))
+            if TOKEN_ROWS:
+                acc += tl.dot(act, tl.trans(w)) * (act_scale[:, None] * tl.load(scales + kb // 2))
+            else:
+                acc += tl.dot(w, tl.trans(act)) * (act_scale[None, :] * tl.load(scales + kb // 2))
     y = acc.to(tl.bfloat16)
-    tl.store(y_ptr + pair[None, :] * HIDDEN + n[:, None], y, mask=m_ok[None, :])
+    y_at = y_ptr + tl.expand_dims(pair, COLUMNS) * HIDDEN + tl.expand_dims(n, TOKENS)
+    tl.store(y_at, y, mask=tl.expand_dims(m_ok, COLUMNS))
 
 
 @triton.jit
@@ -917,13 +977,14 @@ def _l2_item(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STEP: tl.constexpr,
+    TOKEN_ROWS: tl.constexpr,
 ) -> None:
     """A persistent l2 program's item ``item`` (an expert tile, ``BLOCK_N`` columns)."""
     NT: tl.constexpr = HIDDEN // BLOCK_N
     expert, column, m_ok, pair = _item_pairs(table_ptr, item, num_pairs, NUM_EXPERTS, NT, BLOCK_M)
     _l2_tile(
         act_ptr, act_scale_ptr, w2_desc, w2_scale_ptr, y_ptr, expert, column, pair, m_ok,
-        HIDDEN, INTERMEDIATE, BLOCK_M, BLOCK_N, STEP,
+        HIDDEN, INTERMEDIATE, BLOCK_M, BLOCK_N, STEP, TOKEN_ROWS,
     )  # fmt: skip
 
 
@@ -951,6 +1012,7 @@ def _l2_kernel(
     PERSISTENT: tl.constexpr,
     PER_EXPERT: tl.constexpr,
     CLAIM: tl.constexpr,
+    TOKEN_ROWS: tl.constexpr,
 ) -> None:
     """One expert's ``BLOCK_N`` output columns ``program_id(0)``, or with ``PERSISTENT`` items.
 
@@ -975,6 +1037,7 @@ def _l2_kernel(
                 _l2_item(
                     act_ptr, act_scale_ptr, w2_desc, w2_scale_ptr, table_ptr, y_ptr, item,
                     num_pairs, NUM_EXPERTS, HIDDEN, INTERMEDIATE, BLOCK_M, BLOCK_N, STEP,
+                    TOKEN_ROWS,
                 )  # fmt: skip
                 item = claimed
         else:
@@ -982,6 +1045,7 @@ def _l2_kernel(
                 _l2_item(
                     act_ptr, act_scale_ptr, w2_desc, w2_scale_ptr, table_ptr, y_ptr, item,
                     num_pairs, NUM_EXPERTS, HIDDEN, INTERMEDIATE, BLOCK_M, BLOCK_N, STEP,
+                    TOKEN_ROWS,
                 )  # fmt: skip
     else:
         skip, expert, count, sorted_ptr, mine, rank, q = _program_expert(
@@ -1001,7 +1065,7 @@ def _l2_kernel(
             m_ok, pair = _expert_pairs(sorted_ptr, mine, rank, q, m0, count, SCAN, BLOCK_M)
             _l2_tile(
                 act_ptr, act_scale_ptr, w2_desc, w2_scale_ptr, y_ptr, expert, tl.program_id(0),
-                pair, m_ok, HIDDEN, INTERMEDIATE, BLOCK_M, BLOCK_N, STEP,
+                pair, m_ok, HIDDEN, INTERMEDIATE, BLOCK_M, BLOCK_N, STEP, TOKEN_ROWS,
             )  # fmt: skip
         if PER_EXPERT:
             _lead_outlasts_previous_launch()
@@ -1323,7 +1387,7 @@ class SmallBatchExperts:
         per_expert = tiles.pdl and not tiles.persistent and waves
         l1_c = (
             *self._l1_c, tiles.block_m, scan, scan_pairs, tiles.pdl, tiles.persistent, per_expert,
-            tiles.claim,
+            tiles.claim, tiles.token_rows,
         )  # fmt: skip
         l1_pdl = tiles.pdl and (cast or not scan)  # after the route launch, where there is one
         _l1(
@@ -1331,17 +1395,18 @@ class SmallBatchExperts:
             l1_grid, index,
             (x, x_scale, w13_desc, w13_scale, topk_weights, topk_ids, self._table, self._act,
              self._act_scale, self._l1_done, pairs, self.first_expert),
-            l1_c, tiles.warps, tiles.stages, l1_pdl,
+            l1_c, tiles.warps, tiles.stages, l1_pdl, tiles.max_registers,
         )  # fmt: skip
         l2_c = (
             *self._l2_c, tiles.block_m, tiles.block_n2, tiles.l2_step, scan, scan_pairs,
-            tiles.pdl, tiles.persistent, per_expert, tiles.claim,
+            tiles.pdl, tiles.persistent, per_expert, tiles.claim, tiles.token_rows,
         )  # fmt: skip
         _l2(
             _key((l2_c, tiles), w2, w2_scale, topk_ids), l2_grid, index,
             (self._act, self._act_scale, w2_desc, w2_scale, topk_ids, self._table, self._rows,
              self._l1_done, pairs, self.first_expert),
             l2_c, tiles.warps, l2_stages(tiles, self.intermediate), tiles.pdl,
+            tiles.max_registers,
         )  # fmt: skip
         combine_c = self._combine_c[(tiles.pdl, per_expert)]
         _combine(

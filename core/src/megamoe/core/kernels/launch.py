@@ -110,6 +110,7 @@ class KernelLaunch:
         num_warps: int,
         num_stages: int | None = None,
         pdl: bool = False,
+        max_registers: int = 0,
     ) -> None:
         """Launch ``grid`` programs on the current stream of CUDA device ``device_index``.
 
@@ -125,6 +126,8 @@ class KernelLaunch:
             pdl: launch it as a programmatic dependent launch (Hopper): its programs may
                 start while the stream's previous kernel runs, so the kernel must wait
                 (``gdc_wait``) before it reads what that kernel writes (part of the variant).
+            max_registers: the most registers a thread may take (``maxnreg``); 0 leaves it
+                to the compiler (part of the variant).
         """
         compiled = None
         direct = DIRECT_LAUNCH and not torch.compiler.is_compiling() and not _hooked()
@@ -134,6 +137,8 @@ class KernelLaunch:
             options: dict[str, Any] = {"launch_pdl": True} if pdl else {}
             if num_stages is not None:
                 options["num_stages"] = num_stages
+            if max_registers:
+                options["maxnreg"] = max_registers
             launched = self._kernel[grid](*runtime, *constexprs, num_warps=num_warps, **options)
             if direct and key is not None:
                 self._compiled[key] = launched
