@@ -53,9 +53,12 @@ run python3 benchmarks/bench_ep.py --model deepgemm-ref --json "$out/ep-1.json" 
 run python3 benchmarks/bench_transformers.py --json "$out/transformers.json"
 # The small-batch path's host time per call, its launches taken out (the H200 machine's CPU).
 run python3 benchmarks/bench_host.py --json "$out/host.json"
-# The small-batch path's tile shapes side by side past decode (docs/gpu.md, tenth session):
-# the production ones, 4 l2 programs per SM on 32-token tiles (5% faster at 4096 Qwen4-Exp
-# tokens before they claimed), 64-token tiles taking their items in turn.
-run python3 benchmarks/bench_tiles.py --tiles "WIDE_TILES BATCH_TILES BATCH_TILES:l2_per_sm=4 \
-  WIDE_TILES:claim=False MIDSIZE_TILES" --json "$out/tiles.json"
+# The small-batch path's tile shapes side by side past decode (docs/gpu.md, thirteenth
+# session): the production ones, the 64-token tiles with the tokens as the dots' rows (as
+# they are, and the candidate: three programs an SM of at most 168 registers a thread), then
+# the timing probes on WIDE_TILES (wrong outputs): no block scales, weights from L2.
+run python3 benchmarks/bench_tiles.py --tiles "WIDE_TILES \
+  WIDE_TILES:token_rows=True,max_registers=168,stages=3,l1_per_sm=3,l2_per_sm=3 \
+  WIDE_TILES:token_rows=True BATCH_TILES MIDSIZE_TILES" \
+  --probes "unscaled weights_in_l2" --json "$out/tiles.json"
 exit $status
