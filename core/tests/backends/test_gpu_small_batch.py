@@ -37,8 +37,10 @@ SHAPES = {
 }
 MAX_TOKENS = 256
 BATCH_TOKENS = 600  # from 512 tokens the kernels take their batch tiles
-# the tile shapes from 512 tokens, forced: the decode grid of 32-token tiles, persistent ones
-BATCH_TILE_SHAPES = ["MIDSIZE_TILES", "BATCH_TILES", "WIDE_TILES"]
+# the tile shapes from 512 tokens, forced: the decode grid of 32-token tiles, persistent ones,
+# and the token-rows candidate (``TOKEN_ROWS_CANDIDATE`` over WIDE_TILES)
+CANDIDATE = "WIDE_TILES token-rows candidate"
+BATCH_TILE_SHAPES = ["MIDSIZE_TILES", "BATCH_TILES", "WIDE_TILES", CANDIDATE]
 
 pytestmark = [
     pytest.mark.gpu,
@@ -230,6 +232,14 @@ def batch_layer(
     return cache[(shape, backend)]
 
 
+def batch_tiles(name: str) -> tuple[Any, Any]:
+    """The kernels' module and the tile shape ``name`` of ``BATCH_TILE_SHAPES`` to force."""
+    kernels = importlib.import_module(KERNEL_MODULE)
+    if name == CANDIDATE:
+        return kernels, variant(kernels, "WIDE_TILES", **TOKEN_ROWS_CANDIDATE)
+    return kernels, name
+
+
 @pytest.mark.parametrize("tiles", BATCH_TILE_SHAPES)
 @pytest.mark.parametrize("shape", ["qwen4exp", "glm53flash"])
 @pytest.mark.parametrize("mode", ["uniform", "one"])
@@ -243,7 +253,7 @@ def test_the_batch_tiles_match_the_emulating_reference(
     """From 512 tokens: 32- or 64-token expert tiles, 128-column l2 tiles (their own TMA
     descriptor), in the decode grid (a program loops over its expert's tiles) or claimed by
     persistent programs; every token on one expert gives that expert 19 tiles of 32."""
-    force_tiles(monkeypatch, importlib.import_module(KERNEL_MODULE), tiles)
+    force_tiles(monkeypatch, *batch_tiles(tiles))
     small = batch_layer(batch_layers, shape, "deepgemm")
     assert small.backend.path_for(small, BATCH_TOKENS) == "small_batch"
     x, weights, ids = routing(shape, BATCH_TOKENS, seed=9, mode=mode)
@@ -260,7 +270,7 @@ def test_a_batch_graph_replay_gives_the_eager_bits(
     batch_layers: dict[tuple[str, str], MegaMoEExperts],
     tiles: str,
 ) -> None:
-    force_tiles(monkeypatch, importlib.import_module(KERNEL_MODULE), tiles)
+    force_tiles(monkeypatch, *batch_tiles(tiles))
     small = batch_layer(batch_layers, "qwen4exp", "deepgemm")
     x, weights, ids = routing("qwen4exp", BATCH_TOKENS, seed=13)
     eager = small(x, weights, ids)
