@@ -52,6 +52,7 @@ from triton.compiler import ASTSource
 from bench_decode import LAYERS
 from harness import format_table, write_json
 from megamoe.core.kernels import experts_small_batch as kernels
+from megamoe.core.kernels.launch import jit_options
 
 SM90 = GPUTarget("cuda", 90, 64)
 REGISTERS_PER_SM = 65536
@@ -162,9 +163,7 @@ def _compile(fn: Any, types: dict[str, str], constexprs: dict[str, Any], tiles: 
     # the JIT's specialization of the launches: every pointer 16-byte aligned
     aligned = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
                for name, kind in types.items() if kind.startswith("*")}  # fmt: skip
-    options = {"num_warps": tiles.warps, "num_stages": stages}
-    if tiles.max_registers:
-        options["maxnreg"] = tiles.max_registers
+    options = jit_options(tiles.warps, stages, tiles.pdl, tiles.max_registers)
     source = ASTSource(fn, signature, constexprs, aligned)
     return triton.compile(source, target=SM90, options=options)
 

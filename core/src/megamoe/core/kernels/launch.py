@@ -30,7 +30,7 @@ import triton
 from triton import knobs
 from triton.runtime.jit import JITFunction
 
-__all__ = ["DIRECT_LAUNCH", "KernelLaunch", "cdiv", "eager_key", "next_power_of_2"]
+__all__ = ["DIRECT_LAUNCH", "KernelLaunch", "cdiv", "eager_key", "jit_options", "next_power_of_2"]
 
 ALIGNMENT = 16  # bytes: Triton specializes pointers divisible by 16
 # The direct launch makes the JIT's own call of a compiled kernel's launcher: (grid x3,
@@ -51,6 +51,20 @@ def cdiv(numerator: int, denominator: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The least power of two at least ``n`` (1 for ``n`` <= 1), as ``triton.next_power_of_2``."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+def jit_options(
+    num_warps: int, num_stages: int | None = None, pdl: bool = False, max_registers: int = 0
+) -> dict[str, Any]:
+    """Triton's launch and compile options for these settings (``KernelLaunch.__call__``'s)."""
+    options: dict[str, Any] = {"num_warps": num_warps}
+    if pdl:
+        options["launch_pdl"] = True
+    if num_stages is not None:
+        options["num_stages"] = num_stages
+    if max_registers:
+        options["maxnreg"] = max_registers
+    return options
 
 
 def _hooked() -> bool:
@@ -134,12 +148,8 @@ class KernelLaunch:
         if direct and key is not None:
             compiled = self._compiled.get(key)
         if compiled is None:
-            options: dict[str, Any] = {"launch_pdl": True} if pdl else {}
-            if num_stages is not None:
-                options["num_stages"] = num_stages
-            if max_registers:
-                options["maxnreg"] = max_registers
-            launched = self._kernel[grid](*runtime, *constexprs, num_warps=num_warps, **options)
+            options = jit_options(num_warps, num_stages, pdl, max_registers)
+            launched = self._kernel[grid](*runtime, *constexprs, **options)
             if direct and key is not None:
                 self._compiled[key] = launched
             return
