@@ -23,19 +23,18 @@ def variant(kernels: ModuleType, name: str, **changes: Any) -> Any:
     return dataclasses.replace(getattr(kernels, name), **changes)
 
 
-# The candidate past 32 pairs per expert (docs/gpu.md, thirteenth session): WIDE_TILES with
-# the tokens as the dots' rows, three programs per SM of at most 168 registers a thread and
-# 3 stages (kernel_resources.py: no spill, three fit); benchmarks/h200.sh times it beside
-# WIDE_TILES. Both interpreted and GPU tests check it gives the production tiles' bits.
-TOKEN_ROWS_CANDIDATE = {
-    "token_rows": True, "max_registers": 168, "stages": 3, "l1_per_sm": 3, "l2_per_sm": 3,
+# WIDE_TILES as it was until the fourteenth session (docs/gpu.md): the weights' rows as the
+# dots' rows, compiler-chosen registers (255 and 249 a thread), 4 stages, two programs per SM.
+# Interpreted and GPU tests check the production tiles give its bits; h200.sh times it.
+WEIGHT_ROWS_WIDE = {
+    "token_rows": False, "max_registers": 0, "stages": 4, "l1_per_sm": 2, "l2_per_sm": 2,
 }  # fmt: skip
 
 
-def candidate_spec(base: str = "WIDE_TILES") -> str:
-    """``TOKEN_ROWS_CANDIDATE`` over ``base``, written as ``--tiles`` takes it.
+def weight_rows_spec(base: str = "WIDE_TILES") -> str:
+    """``WEIGHT_ROWS_WIDE`` over ``base``, written as ``--tiles`` takes it.
 
     The ``--tiles`` of ``bench_tiles.py`` and ``kernel_resources.py``.
     """
-    changes = ",".join(f"{field}={value}" for field, value in TOKEN_ROWS_CANDIDATE.items())
+    changes = ",".join(f"{field}={value}" for field, value in WEIGHT_ROWS_WIDE.items())
     return f"{base}:{changes}"

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 from bitcheck import assert_bitwise_equal, relative_error
-from tile_forcing import TOKEN_ROWS_CANDIDATE, force_tiles, variant
+from tile_forcing import WEIGHT_ROWS_WIDE, force_tiles, variant
 
 from megamoe.core.backends.deepgemm_layout import L1_ROW_ORDER
 from megamoe.core.backends.small_batch import LayerWork
@@ -187,16 +187,16 @@ def test_every_tile_shape_gives_the_same_bits(
     the decode grid with l2 waiting per expert (l1's programs no longer run at once); a
     quarter of the experts are another rank's (ids 0-3), skipped; the per-expert counts are
     zero after every call, and every claimed item was claimed once (the counters end at the
-    items plus one failed claim per program). The 64-token tiles with the tokens as the
-    dots' rows, persistent (three programs per SM of at most 168 registers a thread: the
-    shape ``h200.sh`` times beside the production one) and in the decode grid, give the
-    same bits."""
+    items plus one failed claim per program). The 64-token tiles with the weights' rows as
+    the dots' rows (``WIDE_TILES`` until the fourteenth session: two programs per SM, the
+    shape ``h200.sh`` times beside the production one), and 64-token tiles with the tokens'
+    in the decode grid, give the same bits."""
     kernels = gpu_like_interpreter
     first = EXPERTS // 4
     taking = variant(kernels, "BATCH_TILES", claim=False)
-    token_rows = {
-        "WIDE_TILES with token rows, 3 programs per SM": variant(
-            kernels, "WIDE_TILES", **TOKEN_ROWS_CANDIDATE
+    orientations = {
+        "WIDE_TILES with weight rows, 2 programs per SM": variant(
+            kernels, "WIDE_TILES", **WEIGHT_ROWS_WIDE
         ),
         "64-token decode grid with token rows": variant(
             kernels, "MIDSIZE_TILES", block_m=64, token_rows=True
@@ -228,7 +228,7 @@ def test_every_tile_shape_gives_the_same_bits(
     force_tiles(monkeypatch, kernels, "DECODE_TILES")
     results["DECODE_TILES waiting per expert"] = call.forward(experts, x, None, weights, ids)
     monkeypatch.setattr(call, "_sms", sms)
-    for name, tiles in token_rows.items():
+    for name, tiles in orientations.items():
         force_tiles(monkeypatch, kernels, tiles)
         results[name] = call.forward(experts, x, None, weights, ids)
     for name, got in results.items():

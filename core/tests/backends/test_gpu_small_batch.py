@@ -17,7 +17,7 @@ import torch
 from bitcheck import assert_bitwise_equal, relative_error
 from graph_check import replayed_output
 from memory import canonical_bytes, resident_bytes
-from tile_forcing import TOKEN_ROWS_CANDIDATE, force_tiles, variant
+from tile_forcing import WEIGHT_ROWS_WIDE, force_tiles, variant
 
 from megamoe.core.backends.deepgemm import DeepGemmBackend
 from megamoe.core.backends.small_batch import KERNEL_MODULE
@@ -38,9 +38,9 @@ SHAPES = {
 MAX_TOKENS = 256
 BATCH_TOKENS = 600  # from 512 tokens the kernels take their batch tiles
 # the tile shapes from 512 tokens, forced: the decode grid of 32-token tiles, persistent ones,
-# and the token-rows candidate (``TOKEN_ROWS_CANDIDATE`` over WIDE_TILES)
-CANDIDATE = "WIDE_TILES token-rows candidate"
-BATCH_TILE_SHAPES = ["MIDSIZE_TILES", "BATCH_TILES", "WIDE_TILES", CANDIDATE]
+# and the 64-token tiles with the weights' rows as the dots' rows (``WEIGHT_ROWS_WIDE``)
+WEIGHT_ROWS = "WIDE_TILES with weight rows"
+BATCH_TILE_SHAPES = ["MIDSIZE_TILES", "BATCH_TILES", "WIDE_TILES", WEIGHT_ROWS]
 
 pytestmark = [
     pytest.mark.gpu,
@@ -235,8 +235,8 @@ def batch_layer(
 def batch_tiles(name: str) -> tuple[Any, Any]:
     """The kernels' module and the tile shape ``name`` of ``BATCH_TILE_SHAPES`` to force."""
     kernels = importlib.import_module(KERNEL_MODULE)
-    if name == CANDIDATE:
-        return kernels, variant(kernels, "WIDE_TILES", **TOKEN_ROWS_CANDIDATE)
+    if name == WEIGHT_ROWS:
+        return kernels, variant(kernels, "WIDE_TILES", **WEIGHT_ROWS_WIDE)
     return kernels, name
 
 
@@ -307,14 +307,14 @@ def test_every_tile_shape_and_grouping_gives_the_same_bits(
     """From 512 tokens counting programs and a place launch group the pairs (12 blocks here,
     more than a place program sums per step) for the persistent programs and for the decode
     grid of 32-token tiles; the persistent programs claim their items (their atomic claims
-    racing) in tiles of 64 and 32 tokens, or take them in turn; the decode tiles are grouped
-    by one program: all give the same bits, and so do 64-token tiles with the tokens as the
-    dots' rows (the persistent candidate, and in the decode grid). A third of the experts
-    are another rank's."""
+    racing) in tiles of 64 (the tokens as the dots' rows) and 32 tokens, or take them in
+    turn; the decode tiles are grouped by one program: all give the same bits, and so do
+    64-token tiles with the weights' rows as the dots' rows (persistent) and with the tokens'
+    in the decode grid. A third of the experts are another rank's."""
     kernels = importlib.import_module(KERNEL_MODULE)
     taking = variant(kernels, "WIDE_TILES", claim=False)
-    token_rows = (
-        variant(kernels, "WIDE_TILES", **TOKEN_ROWS_CANDIDATE),
+    orientations = (
+        variant(kernels, "WIDE_TILES", **WEIGHT_ROWS_WIDE),
         variant(kernels, "MIDSIZE_TILES", block_m=64, token_rows=True),
     )
     first, tokens = SHAPES["qwen4exp"][0] // 3, 1200
@@ -324,7 +324,7 @@ def test_every_tile_shape_and_grouping_gives_the_same_bits(
         ids[:, 0] = first + 1  # a local expert: 1200 of its pairs, 38 tiles
     assert kernels.tiles_for(tokens, call.top_k, call.num_experts) is kernels.WIDE_TILES
     persistent = call.forward(weights, x, None, topk_weights, ids)
-    for tiles in ("MIDSIZE_TILES", "DECODE_TILES", "BATCH_TILES", taking, *token_rows):
+    for tiles in ("MIDSIZE_TILES", "DECODE_TILES", "BATCH_TILES", taking, *orientations):
         force_tiles(monkeypatch, kernels, tiles)
         got = call.forward(weights, x, None, topk_weights, ids)
         assert_bitwise_equal(got, persistent, f"{mode} {tiles}")

@@ -212,11 +212,12 @@ BATCH_TILES = Tiles(
     block_m=32, block_n2=128, warps=4, stages=5, l2_step=1, pdl=False, persistent=True,
     spread=True, claim=True,
 )  # fmt: skip
-# 64-token tiles: 4 stages (two l1 programs of 96 KB fit an SM), two l2 programs per SM
-# (each needs 249 registers a thread)
+# 64-token tiles with the tokens as the dots' rows: at most 168 registers a thread (no
+# spill), 3 stages, so three l1 and three l2 programs share an SM (the weights' rows as the
+# dots' rows took 255 and 249 registers: two each; docs/gpu.md, fourteenth session)
 WIDE_TILES = Tiles(
-    block_m=64, block_n2=128, warps=4, stages=4, l2_step=1, pdl=False, persistent=True,
-    spread=True, l2_per_sm=2, claim=True,
+    block_m=64, block_n2=128, warps=4, stages=3, l2_step=1, pdl=False, persistent=True,
+    spread=True, l1_per_sm=3, l2_per_sm=3, claim=True, token_rows=True, max_registers=168,
 )  # fmt: skip
 # From 512 tokens: the decode grid on 32-token tiles while the call's pairs per local expert
 # are at most this (three quarters of a tile: few experts hold a second one, which their
@@ -263,7 +264,11 @@ def tiles_for(tokens: int, top_k: int, num_experts: int) -> Tiles:
     against the 32-token ones claiming (2026-12-05): GLM-5.3-Flash 17% and 18% faster at 2048
     and 4096 tokens (57 and 114 pairs per expert; 2680.4 against 3241.3 us at 2048),
     Qwen4-Exp 8.4% faster at 2048 (40) and 1.1% slower at 4096 (80); at 28 pairs
-    (GLM-5.3-Flash, 1024 tokens) 11% slower.
+    (GLM-5.3-Flash, 1024 tokens) 11% slower. With the tokens as the dots' rows, three
+    programs per SM (2026-12-05, an H100 SXM, the same bits): Qwen4-Exp 4.3% and 19% faster
+    at 2048 and 4096 tokens (695.1 against 726.0 us at 2048), GLM-5.3-Flash 0.8% slower at
+    2048 and 19% faster at 4096 (3618.6 against 4481.9); 128-token tiles of 8 warps, and
+    64-token ones at 128 registers (four programs an SM, spilling), took 1.1-2.4x as long.
     """
     if tokens < 512:
         return DECODE_TILES
