@@ -315,4 +315,7 @@ def gpu_tests(session: nox.Session) -> None:
         "glm5next/tests",
         "tests",
         *session.posargs,
+        # Two intra-op threads a process: the tests build their weights on the CPU, and xdist
+        # workers each starting one thread per core stalled one another (docs/gpu.md).
+        env={"OMP_NUM_THREADS": "2"},
     )

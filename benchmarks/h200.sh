@@ -53,12 +53,11 @@ run python3 benchmarks/bench_ep.py --model deepgemm-ref --json "$out/ep-1.json" 
 run python3 benchmarks/bench_transformers.py --json "$out/transformers.json"
 # The small-batch path's host time per call, its launches taken out (the H200 machine's CPU).
 run python3 benchmarks/bench_host.py --json "$out/host.json"
-# The small-batch path's tile shapes side by side past decode (docs/gpu.md, thirteenth
-# session): the production ones, the 64-token tiles with the tokens as the dots' rows (as
-# they are, and the candidate: three programs an SM of at most 168 registers a thread), then
-# the timing probes on WIDE_TILES (wrong outputs): no block scales, weights from L2.
-run python3 benchmarks/bench_tiles.py --tiles "WIDE_TILES \
-  WIDE_TILES:token_rows=True,max_registers=168,stages=3,l1_per_sm=3,l2_per_sm=3 \
-  WIDE_TILES:token_rows=True BATCH_TILES MIDSIZE_TILES" \
+# The small-batch path's tile shapes side by side past decode (docs/gpu.md, fourteenth
+# session): the production ones, WIDE_TILES with the weights' rows as the dots' rows (as it
+# was until then: two programs an SM), then the timing probes on WIDE_TILES (wrong outputs):
+# no block scales, weights from L2.
+weight_rows=$(python3 -c "from tile_forcing import weight_rows_spec; print(weight_rows_spec())")
+run python3 benchmarks/bench_tiles.py --tiles "WIDE_TILES $weight_rows BATCH_TILES MIDSIZE_TILES" \
   --probes "unscaled weights_in_l2" --json "$out/tiles.json"
 exit $status
