@@ -30,7 +30,7 @@ expert, combine) at the decode counts, graphed, with ``experts_path`` forced to 
     python benchmarks/bench_decode.py --from-json decode.json --plot decode.png  # no GPU
 
 ``--from-json`` reports a saved run's times (layers and blocks) with the path this checkout's
-rule would take.
+rule would take on the run's card.
 """
 
 from __future__ import annotations
@@ -245,7 +245,7 @@ def measure_layer(name: str, counts: list[int], args: argparse.Namespace) -> lis
     layers = [build_layer(name, 100 + i, max_tokens, "small_batch") for i in range(args.layers)]
     mega = [bare_megamoe(layer) for layer in layers]
     auto = layer_work(layers[0])
-    limit = crossover_tokens(auto, max_tokens)
+    limit = crossover_tokens(auto, max_tokens, torch.cuda.get_device_name())
     print(f"{name}: {args.layers} layers, auto takes the small-batch path up to {limit} tokens",
           flush=True)  # fmt: skip
     rows = []
@@ -273,10 +273,11 @@ def measure_layer(name: str, counts: list[int], args: argparse.Namespace) -> lis
     return rows
 
 
-def rule_limit(name: str, max_tokens: int) -> int:
-    """The most tokens this checkout's rule sends down the small-batch path for layer ``name``."""
+def rule_limit(name: str, max_tokens: int, card: str) -> int:
+    """The most tokens this checkout's rule sends down the small-batch path for layer ``name``
+    on ``card``."""
     experts, top_k, hidden, inter, _, _ = LAYERS[name]
-    return crossover_tokens(LayerWork(experts, experts, top_k, hidden, inter), max_tokens)
+    return crossover_tokens(LayerWork(experts, experts, top_k, hidden, inter), max_tokens, card)
 
 
 def path_taken(tokens: int, limit: int) -> str:
@@ -303,15 +304,17 @@ def rechosen(row: dict[str, Any], max_tokens: int, card: str) -> dict[str, Any]:
     """A saved row with the path this checkout's rule takes and this checkout's floor (of the
     saved active experts, on the run's ``card``); its times are the saved ones."""
     floor = active_floor_us(row["layer"], row["active"], row["tokens"], card)
-    return finish_row(row | {"limit": rule_limit(row["layer"], max_tokens), "floor": floor})
+    limit = rule_limit(row["layer"], max_tokens, card)
+    return finish_row(row | {"limit": limit, "floor": floor})
 
 
-def block_chosen(row: dict[str, Any], max_tokens: int) -> dict[str, Any]:
-    """A block row with ``auto``: the path this checkout's rule takes there, and its time.
+def block_chosen(row: dict[str, Any], max_tokens: int, card: str) -> dict[str, Any]:
+    """A block row with ``auto``: the path this checkout's rule takes there on ``card``, and
+    its time.
 
     ``max_tokens``: the blocks' ``max_num_tokens`` (the largest block count).
     """
-    path = path_taken(row["tokens"], rule_limit(row["block"], max_tokens))
+    path = path_taken(row["tokens"], rule_limit(row["block"], max_tokens, card))
     return row | {"auto_path": path, "auto": row[path], "auto/megamoe": row[path] / row["megamoe"]}
 
 
@@ -355,7 +358,8 @@ def measure_blocks(counts: list[int], args: argparse.Namespace) -> list[dict[str
                 for path, block in blocks.items()
             }
             times = interleaved_us(samplers, warmup=2, rounds=args.rounds)
-            row = block_chosen({"block": name, "tokens": tokens} | times, max(counts))
+            card = torch.cuda.get_device_name()
+            row = block_chosen({"block": name, "tokens": tokens} | times, max(counts), card)
             rows.append(row)
             print(f"block {name} {tokens:5d} tokens graphed: small_batch "
                   f"{times['small_batch']:.1f} us, megamoe {times['megamoe']:.1f} us, auto "
@@ -419,7 +423,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         rows = [rechosen(row, max_tokens, card) for row in rows]
         if block_rows:
             block_max = max(row["tokens"] for row in block_rows)
-            block_rows = [block_chosen(row, block_max) for row in block_rows]
+            block_rows = [block_chosen(row, block_max, card) for row in block_rows]
         print("chosen: this checkout's rule (backends.small_batch) on the saved times")
     else:
         torch.cuda.set_device(0)

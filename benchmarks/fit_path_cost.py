@@ -8,9 +8,9 @@ squares on the log of the time (the relative error; every constant positive, the
 lacks kept at zero: the small-batch path pays no per-slot cost, MegaMoE no per-program one),
 and prints:
 
-- the fitted constants, as the code writes them;
-- each row: the measured time of each path, its prediction under the checkout's constants and
-  under the fitted ones, and the relative errors;
+- the fitted constants, as the code writes them (``CARD_COSTS``' entry of the run's card);
+- each row: the measured time of each path, its prediction under the checkout's constants for
+  the run's card and under the fitted ones, and the relative errors;
 - each layer's crossover: measured (the last token count of the run before the first at
   which MegaMoE was faster), under the checkout's models and under the fitted ones.
 
@@ -31,23 +31,19 @@ from typing import Any
 
 import torch
 
-from bench_decode import LAYERS
+from bench_decode import LAYERS, SAVED_CARD
 from harness import format_table, write_json
 from megamoe.core.backends.small_batch import (
-    MEGAMOE_COST,
-    SMALL_BATCH_COST,
+    CardCosts,
     LayerWork,
     PathCost,
+    card_costs,
     crossover_between,
     crossover_tokens,
 )
 
-# bench_decode's column of each path: the checkout's model of it, its name there, the terms
-# it lacks
-PATHS = {
-    "small": (SMALL_BATCH_COST, "SMALL_BATCH_COST", ("per_slot_us",)),
-    "megamoe": (MEGAMOE_COST, "MEGAMOE_COST", ("per_program_us",)),
-}
+# bench_decode's column of each path: its field of ``CardCosts``, the terms it lacks
+PATHS = {"small": ("small", ("per_slot_us",)), "megamoe": ("megamoe", ("per_program_us",))}
 CROSSOVER_SCAN = 65536  # as megamoe inspect
 COLUMNS = [
     ("layer", "<10"), ("tokens", ">6d"), ("path", "<8"), ("measured", ">9.1f"),
@@ -69,21 +65,25 @@ def layer_of(name: str) -> LayerWork:
     return LayerWork(experts, experts, top_k, hidden, intermediate)
 
 
-def read_rows(path: str) -> list[dict[str, Any]]:
-    """The run's rows that time both paths, or SystemExit naming what is wrong."""
+def read_run(path: str) -> tuple[str, list[dict[str, Any]]]:
+    """The run's card and its rows that time both paths, or SystemExit naming what is wrong.
+
+    A run that names no card was an H200's (``bench_decode.SAVED_CARD``).
+    """
     try:
-        rows = json.loads(Path(path).read_text())["rows"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
+        report = json.loads(Path(path).read_text())
+        rows, card = report["rows"], report.get("card", SAVED_CARD)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise SystemExit(f"fit_path_cost: {path} is not a bench_decode.py --json ({err})") from err
     known = [row for row in rows if row.get("layer") in LAYERS and row.get("small")]
     if not known:
         raise SystemExit(f"fit_path_cost: {path} has no rows of the layers {sorted(LAYERS)}")
-    return known
+    return card, known
 
 
-def fit(rows: list[dict[str, Any]], column: str, steps: int) -> PathCost:
-    """``column``'s PathCost that fits ``rows`` best in the log of the time."""
-    start, _, absent = PATHS[column]
+def fit(rows: list[dict[str, Any]], column: str, start: PathCost, steps: int) -> PathCost:
+    """``column``'s PathCost that fits ``rows`` best in the log of the time, from ``start``."""
+    absent = PATHS[column][1]
     names = [f.name for f in dataclasses.fields(PathCost) if f.name not in absent]
     # the constants' logs; bandwidth and FLOP/s enter as their inverses
     inverse = {"bandwidth", "flops"}
@@ -121,15 +121,19 @@ def measured_crossover(rows: list[dict[str, Any]], layer: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse(argv)
-    rows = read_rows(args.decode_json)
-    fitted = {column: fit(rows, column, args.steps) for column in PATHS}
-    for column, model in fitted.items():
-        print(f"{PATHS[column][1]} = {model}")
+    card, rows = read_run(args.decode_json)
+    key, checkout = card_costs(card)
+    print(f"card: {card} (the checkout's models: CARD_COSTS[{key!r}])")
+    models = {column: getattr(checkout, field) for column, (field, _) in PATHS.items()}
+    fitted = {column: fit(rows, column, models[column], args.steps) for column in PATHS}
+    print(f"{key}_COSTS = {CardCosts(small=fitted['small'], megamoe=fitted['megamoe'])}")
     table = []
     for row in rows:
         work = layer_of(row["layer"])
-        for column, (checkout, _, _) in PATHS.items():
-            ours, theirs = (work.predicted_us(m, row["tokens"]) for m in (checkout, fitted[column]))
+        for column, checkout_model in models.items():
+            ours, theirs = (
+                work.predicted_us(m, row["tokens"]) for m in (checkout_model, fitted[column])
+            )
             measured = row[column]
             table.append([row["layer"], row["tokens"], column, measured, ours,
                           ours / measured - 1, theirs, theirs / measured - 1])  # fmt: skip
@@ -137,13 +141,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     crossovers = {}
     for layer in dict.fromkeys(row["layer"] for row in rows):
         work = layer_of(layer)
-        was = crossover_tokens(work, CROSSOVER_SCAN)
+        was = crossover_tokens(work, CROSSOVER_SCAN, card)
         new = crossover_between(work, fitted["small"], fitted["megamoe"], CROSSOVER_SCAN)
         crossovers[layer] = {"measured": measured_crossover(rows, layer), "checkout": was,
                              "fitted": new}  # fmt: skip
         print(f"{layer}: crossover measured after {crossovers[layer]['measured']} tokens "
               f"(the run's counts); checkout's models {was}; fitted {new}")  # fmt: skip
     result = {
+        "card": card,
         "fitted": {column: dataclasses.asdict(model) for column, model in fitted.items()},
         "rows": [dict(zip((c for c, _ in COLUMNS), r, strict=True)) for r in table],
         "crossovers": crossovers,

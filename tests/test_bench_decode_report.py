@@ -1,8 +1,9 @@
-"""``benchmarks/bench_decode.py --from-json`` on the CPU: a saved H200 run, re-reported.
+"""``benchmarks/bench_decode.py --from-json`` on the CPU: saved H200 and H100 runs, re-reported.
 
-The saved run is ``docs/img/decode_h200.json`` (the table in docs/gpu.md). Its times are
-measured; the ``chosen`` column (and a block's ``auto``) must be the path this checkout's rule
-takes at each count, whatever rule the run itself was taken under.
+The saved runs are ``docs/img/decode_h200.json`` and ``decode_h100.json`` (the tables in
+docs/gpu.md). Their times are measured; the ``chosen`` column (and a block's ``auto``) must be
+the path this checkout's rule takes at each count on the run's card, whatever rule the run
+itself was taken under.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from megamoe.core.backends.small_batch import LayerWork, crossover_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 SAVED = ROOT / "docs" / "img" / "decode_h200.json"
+SAVED_RUNS = [SAVED, ROOT / "docs" / "img" / "decode_h100.json"]
 
 
 @pytest.fixture(scope="module")
@@ -25,10 +27,12 @@ def bench() -> ModuleType:
     return load_benchmark("bench_decode")
 
 
+@pytest.mark.parametrize("saved", SAVED_RUNS, ids=lambda path: path.stem)
 def test_the_saved_run_is_reported_with_this_checkouts_rule(
-    bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str], saved: Path
 ) -> None:
-    report = json.loads(SAVED.read_text())
+    report = json.loads(saved.read_text())
+    card = report.get("card", bench.SAVED_CARD)
     max_tokens = max(row["tokens"] for row in report["rows"])
     for row in report["rows"]:  # plant the opposite choice: the report must not keep it
         row["chosen"] = "megamoe" if row["chosen"] == "small_batch" else "small_batch"
@@ -44,23 +48,28 @@ def test_the_saved_run_is_reported_with_this_checkouts_rule(
     for row in report["rows"]:
         experts, top_k, hidden, inter, _, _ = bench.LAYERS[row["layer"]]
         work = LayerWork(experts, experts, top_k, hidden, inter)
-        expected = (
-            "small_batch" if row["tokens"] <= crossover_tokens(work, max_tokens) else "megamoe"
-        )
+        limit = crossover_tokens(work, max_tokens, card)
+        expected = "small_batch" if row["tokens"] <= limit else "megamoe"
         assert lines[(row["layer"], row["tokens"])][10] == expected, (row["layer"], row["tokens"])
-        again = bench.rechosen(row, max_tokens, bench.SAVED_CARD)
+        again = bench.rechosen(row, max_tokens, card)
         assert again["chosen"] == expected
         assert again["chosen_us"] == row["small" if expected == "small_batch" else "megamoe"]
 
 
-def test_a_saved_blocks_auto_is_the_path_this_checkouts_rule_takes(bench: ModuleType) -> None:
-    blocks = json.loads(SAVED.read_text())["blocks"]
+@pytest.mark.parametrize("saved", SAVED_RUNS, ids=lambda path: path.stem)
+def test_a_saved_blocks_auto_is_the_path_this_checkouts_rule_takes(
+    bench: ModuleType, saved: Path
+) -> None:
+    report = json.loads(saved.read_text())
+    card, blocks = report.get("card", bench.SAVED_CARD), report["blocks"]
+    assert blocks
     block_max = max(row["tokens"] for row in blocks)
     for row in blocks:
         planted = row | {"auto_path": "nonsense", "auto": -1.0}
-        again = bench.block_chosen(planted, block_max)
+        again = bench.block_chosen(planted, block_max, card)
         experts, top_k, hidden, inter, _, _ = bench.LAYERS[row["block"]]
-        limit = crossover_tokens(LayerWork(experts, experts, top_k, hidden, inter), block_max)
+        work = LayerWork(experts, experts, top_k, hidden, inter)
+        limit = crossover_tokens(work, block_max, card)
         path = "small_batch" if row["tokens"] <= limit else "megamoe"
         assert again["auto_path"] == path, (row["block"], row["tokens"])
         assert again["auto"] == row[path]

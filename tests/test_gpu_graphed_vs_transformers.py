@@ -113,7 +113,8 @@ def test_an_eager_block_past_256_tokens_matches_transformers(tmp_path: Path, fam
     """Eagerly a router under 256 experts stays one launch up to 1024 tokens (graphs take
     cuBLAS's logits from 256): its routing and the block's output against transformers. The
     experts take the small-batch path at both counts (the tiny layer's crossover is 1630
-    tokens), on its batch tiles at 1024 (persistent programs, the grouping spread)."""
+    tokens on an H200, later on an H100), on its batch tiles at 1024 (persistent programs,
+    the grouping spread)."""
     tiny, layer, block = _tiny_block(tmp_path, family, max(EAGER_TOKEN_COUNTS))
     for count in EAGER_TOKEN_COUNTS:
         assert block.experts.backend.path_for(block.experts, count) == "small_batch"

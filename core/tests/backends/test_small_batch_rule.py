@@ -16,9 +16,12 @@ from fakes import load_fake
 from megamoe.core.backends import deepgemm as dg_backend
 from megamoe.core.backends import small_batch
 from megamoe.core.backends.small_batch import (
-    MEGAMOE_COST,
-    SMALL_BATCH_COST,
+    CARD_COSTS,
+    DEFAULT_CARD,
+    H100_COSTS,
+    H200_COSTS,
     LayerWork,
+    card_costs,
     crossover_tokens,
 )
 from megamoe.core.errors import CapabilityError
@@ -27,6 +30,8 @@ from megamoe.core.testing import one_rank_experts, synthetic_expert_tensors
 
 fake_dg = load_fake("fake_deep_gemm")
 FMT = WeightFormat.FP8_BLOCK
+H200 = "NVIDIA H200"  # torch.cuda.get_device_name of each card measured
+H100 = "NVIDIA H100 80GB HBM3"
 # The released layers (transformers 5.24.0 configs), one rank holding every expert.
 QWEN4EXP = LayerWork(
     num_experts=512, num_local_experts=512, top_k=10, hidden=2048, intermediate=512
@@ -44,12 +49,13 @@ GLM_32_EXPERTS = LayerWork(
 
 @pytest.mark.parametrize("work", [GLM53FLASH, GLM_32_EXPERTS], ids=["glm53flash", "glm-e32"])
 def test_the_crossover_is_where_the_models_cross(work: LayerWork) -> None:
-    tokens = crossover_tokens(work, 8192)
+    small, megamoe = H200_COSTS.small, H200_COSTS.megamoe
+    tokens = crossover_tokens(work, 8192, H200)
     assert 0 < tokens < 8192
     for below in (1, tokens):
-        assert work.predicted_us(SMALL_BATCH_COST, below) <= work.predicted_us(MEGAMOE_COST, below)
+        assert work.predicted_us(small, below) <= work.predicted_us(megamoe, below)
     after = tokens + 1
-    assert work.predicted_us(SMALL_BATCH_COST, after) > work.predicted_us(MEGAMOE_COST, after)
+    assert work.predicted_us(small, after) > work.predicted_us(megamoe, after)
 
 
 def test_the_measured_crossovers_of_the_real_layers() -> None:
@@ -58,22 +64,50 @@ def test_the_measured_crossovers_of_the_real_layers() -> None:
     # 4096, 1638.9 against 2921.0 at 8192); GLM-5.3-Flash's beat it at 1-2048 tokens
     # (1979.1 against 2291.8 at 1024, 2568.8 against 2671.3 at 2048) and lost at 4096
     # (4485.4 against 3606.9).
-    assert crossover_tokens(QWEN4EXP, 65536) > 8192
-    assert 2048 <= crossover_tokens(GLM53FLASH, 65536) < 4096
+    assert crossover_tokens(QWEN4EXP, 65536, H200) > 8192
+    assert 2048 <= crossover_tokens(GLM53FLASH, 65536, H200) < 4096
+    # The H100 SXM run (docs/img/decode_h100.json, the fifteenth session): the small-batch
+    # path beat MegaMoE at every count of both layers, 1-8192 tokens (GLM-5.3-Flash 3745.6
+    # against 3830.3 us at 4096, 6442.7 against 6588.9 at 8192).
+    assert crossover_tokens(QWEN4EXP, 65536, H100) > 8192
+    assert crossover_tokens(GLM53FLASH, 65536, H100) > 8192
 
 
 def test_the_crossover_follows_the_layer_shape() -> None:
     # Qwen4-Exp's many small experts keep the small-batch path far past decode; GLM-5.3-Flash's
-    # large ones hand over to MegaMoE earlier (measured: past 8192 tokens against past 2048):
-    # one rule, measured constants, two answers.
-    qwen, glm = crossover_tokens(QWEN4EXP, 65536), crossover_tokens(GLM53FLASH, 65536)
+    # large ones hand over to MegaMoE earlier on an H200 (measured: past 8192 tokens against
+    # past 2048): one rule, measured constants, two answers.
+    qwen, glm = crossover_tokens(QWEN4EXP, 65536, H200), crossover_tokens(GLM53FLASH, 65536, H200)
     assert qwen > 3 * glm
     assert glm >= 1
 
 
-def test_the_crossover_is_capped_by_the_layers_max_tokens() -> None:
-    assert crossover_tokens(QWEN4EXP, 3) == 3
-    assert crossover_tokens(QWEN4EXP, 0) == 0
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [(H200, "H200"), ("NVIDIA GH200 480GB", "H200"), (H100, "H100"), ("NVIDIA H100 PCIe", "H100"),
+     ("NVIDIA H800", DEFAULT_CARD), ("NVIDIA H20", DEFAULT_CARD), ("", DEFAULT_CARD)],
+)  # fmt: skip
+def test_a_card_takes_the_models_measured_on_it_by_name(name: str, key: str) -> None:
+    assert card_costs(name) == (key, CARD_COSTS[key])
+    assert CARD_COSTS["H100"] is H100_COSTS
+
+
+def test_the_crossover_follows_the_card() -> None:
+    # An H100 streams the weights at 3.35 TB/s where an H200 does at 4.8, with the same tensor
+    # cores: the path reading only the active experts' weights stays ahead longer there.
+    assert crossover_tokens(GLM53FLASH, 65536, H100) > crossover_tokens(GLM53FLASH, 65536, H200)
+    assert crossover_tokens(GLM_32_EXPERTS, 65536, H100) > crossover_tokens(
+        GLM_32_EXPERTS, 65536, H200
+    )
+    assert crossover_tokens(GLM53FLASH, 65536, "NVIDIA H800") == crossover_tokens(
+        GLM53FLASH, 65536, H200
+    )
+
+
+@pytest.mark.parametrize("card", [H200, H100])
+def test_the_crossover_is_capped_by_the_layers_max_tokens(card: str) -> None:
+    assert crossover_tokens(QWEN4EXP, 3, card) == 3
+    assert crossover_tokens(QWEN4EXP, 0, card) == 0
 
 
 def test_active_experts_under_uniform_routing() -> None:
@@ -151,7 +185,8 @@ def test_the_option_sets_how_many_tokens_take_the_path(
     layer = experts("megamoe", backend="deepgemm")
     layer.experts_path = path
     monkeypatch.setattr(small_batch, "unavailable_reason", lambda experts, kind: None)
-    monkeypatch.setattr(small_batch, "crossover_tokens", lambda work, max_tokens: 17)
+    monkeypatch.setattr(small_batch, "device_card", lambda device: H100)
+    monkeypatch.setattr(small_batch, "crossover_tokens", lambda work, max_tokens, card: 17)
     assert small_batch.small_batch_tokens(layer, dg_backend.KIND_SM90) == expected
     assert layer.backend.path_for(layer, expected or 1) == (
         "megamoe" if path == "megamoe" else "small_batch"
@@ -173,16 +208,18 @@ def test_small_batch_max_tokens_caps_the_calls_the_path_takes(
     layer = experts(path if path == "auto" else "megamoe", backend="deepgemm")
     layer.experts_path, layer.small_batch_max_tokens = path, cap
     monkeypatch.setattr(small_batch, "unavailable_reason", lambda experts, kind: None)
+    monkeypatch.setattr(small_batch, "device_card", lambda device: H100)
     asked = []
 
-    def crossover(work: LayerWork, max_tokens: int) -> int:
-        asked.append(max_tokens)
+    def crossover(work: LayerWork, max_tokens: int, card: str) -> int:
+        asked.append((max_tokens, card))
         return min(17, max_tokens)
 
     monkeypatch.setattr(small_batch, "crossover_tokens", crossover)
     assert small_batch.small_batch_tokens(layer, dg_backend.KIND_SM90) == expected
-    # the rule is asked up to the cap or max_num_tokens, whichever is less
-    assert asked == ([min(cap, 64)] if path == "auto" else [])
+    # the rule is asked up to the cap or max_num_tokens, whichever is less, for the card
+    # the layer's device is
+    assert asked == ([(min(cap, 64), H100)] if path == "auto" else [])
     assert layer.backend.path_for(layer, expected) == "small_batch"
     assert layer.backend.path_for(layer, expected + 1) == "megamoe"
     assert f"small_batch_max_tokens={cap}" in repr(layer)

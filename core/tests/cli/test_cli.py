@@ -549,28 +549,34 @@ def test_inspect_gives_the_small_batch_crossover_on_one_hopper_rank(
 
     seen = []
 
-    def crossover(work, max_tokens):  # the rule's inputs are the checkpoint's layer
-        seen.append(work)
-        return 37
+    def crossover(work, max_tokens, card):  # the rule's inputs are the checkpoint's layer
+        seen.append((work, card))
+        return {"H200": 37, "H100": 0}[card]
 
     monkeypatch.setattr(inspection, "crossover_tokens", crossover)
     assert cli.main(["inspect", str(checkpoint), "--arch", "sm90"]) == 0
     path = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("path"))
-    assert "small-batch kernels for calls of up to 37 tokens, MegaMoE above (every layer" in path
-    assert (seen[0].num_experts, seen[0].hidden, seen[0].intermediate) == (4, 256, 128)
+    # each card measured, by its own models
+    assert "small-batch kernels on an H200: calls of up to 37 tokens, MegaMoE above; " in path
+    assert "on an H100: none (the rule predicts MegaMoE faster at every size) (every layer" in path
+    assert "other cards take the H200's rule" in path
+    assert [card for _, card in seen] == ["H200", "H100"]
+    work = seen[0][0]
+    assert (work.num_experts, work.hidden, work.intermediate) == (4, 256, 128)
 
 
 def test_inspect_says_when_the_rule_never_hands_a_call_to_megamoe(
     checkpoint: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A layer this small (4 experts of 256 x 128) is predicted faster on the small-batch
-    kernels at every size inspect considers: no crossover to state."""
+    kernels at every size inspect considers, on every card measured: no crossover to state."""
     from megamoe.core.cli import inspection
 
     assert cli.main(["inspect", str(checkpoint), "--arch", "sm90"]) == 0
     path = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("path"))
     scan = inspection.EXPERTS_PATH_SCAN
-    assert f"small-batch kernels for every call up to the {scan} tokens considered (the" in path
+    for card in ("H200", "H100"):
+        assert f"on an {card}: every call up to the {scan} tokens considered (the" in path
     assert "MegaMoE above" not in path
     # per token: 256 FP8 columns and 2 float32 scales; per slot (2), 128 FP8 intermediate
     # columns, 2 float32 scales and 256 bf16 output columns: 264 + 2 * 648 bytes

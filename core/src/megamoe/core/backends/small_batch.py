@@ -7,11 +7,12 @@ fixed cost per call that grows with the layer's experts; the small-batch path pa
 per call, a little per program of its kernels, and past decode sizes computes less
 efficiently. Both are modelled as ``max(fixed, per_slot * E * top_k) + per_program *
 programs + per_pair * local pairs + active bytes / bandwidth + FLOPs / throughput``
-(:class:`PathCost`, fitted to both real layers' graphed timings on the H200 by
-``benchmarks/fit_path_cost.py``, ``docs/gpu.md``), with the active experts expected under
-uniform routing. A layer takes the small-batch path for every call of up to
-:func:`crossover_tokens` tokens, the last token count at which it is predicted no slower;
-so a fixed token count always takes one path and a CUDA graph captures one. (Past 512
+(:class:`PathCost`, fitted per card to both real layers' graphed timings by
+``benchmarks/fit_path_cost.py``: ``CARD_COSTS``, an H200's and an H100's, ``docs/gpu.md``),
+with the active experts expected under uniform routing. A layer takes the small-batch path
+for every call of up to :func:`crossover_tokens` tokens on its card, the last token count at
+which it is predicted no slower; so a fixed token count always takes one path and a CUDA
+graph captures one. (Past 512
 tokens the small-batch kernels read an expert's weights again per tile of 32 or 64 of its
 tokens, yet Qwen4-Exp at 8192 tokens, 160 per active expert, ran in 0.56 of MegaMoE's time.)
 
@@ -72,6 +73,14 @@ class PathCost:
     per_pair_us: float = 0.0
 
 
+@dataclass(frozen=True)
+class CardCosts:
+    """One card's models of the two paths (fitted to one ``bench_decode.py`` run there)."""
+
+    small: PathCost
+    megamoe: PathCost
+
+
 # Fitted to one run of bench_decode.py on one H200 (graphed medians of both real layers at
 # 1-1024 tokens, 2026-12-04 with TMA tile copies, docs/gpu.md): the small-batch path within
 # 10% (its weights stream at the HBM peak; what it loses to that is per call and per
@@ -95,14 +104,39 @@ class PathCost:
 # 8192). A refit to that run alone places GLM-5.3-Flash's at 1361 tokens, where the
 # small-batch path measured faster to 2048, so these constants stay. Where the two paths
 # are within the models' error of each other the rule may pick the slower one.
-SMALL_BATCH_COST = PathCost(
-    fixed_us=13.8, per_slot_us=0.0, per_program_us=0.00038, bandwidth=4.65e12, flops=7.40e14,
-    per_pair_us=0.0059,
+H200_COSTS = CardCosts(
+    small=PathCost(
+        fixed_us=13.8, per_slot_us=0.0, per_program_us=0.00038, bandwidth=4.65e12,
+        flops=7.40e14, per_pair_us=0.0059,
+    ),
+    megamoe=PathCost(
+        fixed_us=60.0, per_slot_us=0.0308, per_program_us=0.0, bandwidth=4.23e12,
+        flops=1.15e15, per_pair_us=0.0194,
+    ),
 )  # fmt: skip
-MEGAMOE_COST = PathCost(
-    fixed_us=60.0, per_slot_us=0.0308, per_program_us=0.0, bandwidth=4.23e12, flops=1.15e15,
-    per_pair_us=0.0194,
+# Fitted with ``benchmarks/fit_path_cost.py`` to one bench_decode.py run on one H100 SXM
+# (2026-12-05, the fifteenth session: both real layers, 1-8192 tokens, graphed medians,
+# docs/gpu.md): the small-batch model within 11% of every row, MegaMoE's within 15% but at
+# Qwen4-Exp's 2048 tokens (39% over). There the small-batch path beat MegaMoE at every count
+# of both layers (GLM-5.3-Flash 3745.6 against 3830.3 us at 4096 tokens, 6442.7 against
+# 6588.9 at 8192), where the H200's models hand GLM-5.3-Flash to MegaMoE from 2343 tokens:
+# a card with less bandwidth for the same tensor cores keeps the path that reads only the
+# active experts' weights longer.
+H100_COSTS = CardCosts(
+    small=PathCost(
+        fixed_us=13.1, per_slot_us=0.0, per_program_us=0.00084, bandwidth=3.19e12,
+        flops=9.86e14, per_pair_us=0.0025,
+    ),
+    megamoe=PathCost(
+        fixed_us=60.0, per_slot_us=0.0292, per_program_us=0.0, bandwidth=3.21e12,
+        flops=1.45e15, per_pair_us=0.0243,
+    ),
 )  # fmt: skip
+# Each card's models, by a piece of its name (``torch.cuda.get_device_name``: "NVIDIA H200",
+# "NVIDIA H100 80GB HBM3"); the first that matches is the card's. A card none matches (an
+# H800, an H20) takes ``DEFAULT_CARD``'s.
+CARD_COSTS = {"H200": H200_COSTS, "H100": H100_COSTS}
+DEFAULT_CARD = "H200"
 # Columns of an expert's intermediate (l1) and hidden (l2) per small-batch program.
 COLUMNS_PER_PROGRAM = 64
 
@@ -177,14 +211,27 @@ def crossover_between(work: LayerWork, small: PathCost, megamoe: PathCost, max_t
     return max_tokens
 
 
+def card_costs(card: str) -> tuple[str, CardCosts]:
+    """The models the card named ``card`` takes (``CARD_COSTS``), and their card's key."""
+    key = next((key for key in CARD_COSTS if key in card), DEFAULT_CARD)
+    return key, CARD_COSTS[key]
+
+
 @functools.lru_cache(maxsize=256)
-def crossover_tokens(work: LayerWork, max_tokens: int) -> int:
+def crossover_tokens(work: LayerWork, max_tokens: int, card: str) -> int:
     """The most tokens per call for which the small-batch path is predicted no slower.
 
-    Every call of up to that many tokens takes it (:func:`crossover_between` of the
-    measured models). Remembered per layer shape: the layers of a model share a few.
+    Every call of up to that many tokens takes it (:func:`crossover_between` of the models
+    measured on ``card``, a CUDA device's name: :func:`card_costs`). Remembered per layer
+    shape and card: the layers of a model share a few.
     """
-    return crossover_between(work, SMALL_BATCH_COST, MEGAMOE_COST, max_tokens)
+    costs = card_costs(card)[1]
+    return crossover_between(work, costs.small, costs.megamoe, max_tokens)
+
+
+def device_card(device: torch.device) -> str:
+    """The name of the CUDA card ``device`` is (what :func:`crossover_tokens` takes)."""
+    return torch.cuda.get_device_name(device)
 
 
 def takes_small_batch(tokens: int, limit: int) -> bool:
@@ -266,7 +313,7 @@ def small_batch_tokens(experts: MegaMoEExperts, kind: str) -> int:
     most = experts.max_num_tokens if cap is None else min(cap, experts.max_num_tokens)
     if path == PATH_SMALL_BATCH:
         return most
-    return crossover_tokens(layer_work(experts), most)
+    return crossover_tokens(layer_work(experts), most, device_card(experts.device))
 
 
 _SHARED: dict[tuple[Any, ...], Any] = {}

@@ -14,7 +14,13 @@ from typing import Any
 
 from megamoe.core.adapters import ModelAdapter, open_checkpoint
 from megamoe.core.backends.deepgemm import KERNEL_KINDS
-from megamoe.core.backends.small_batch import LayerWork, crossover_tokens, layout_reason
+from megamoe.core.backends.small_batch import (
+    CARD_COSTS,
+    DEFAULT_CARD,
+    LayerWork,
+    crossover_tokens,
+    layout_reason,
+)
 from megamoe.core.checkpoint.expert_names import projection_shape, projection_specs
 from megamoe.core.checkpoint.hf_config import defaulted_keys
 from megamoe.core.checkpoint.layers import MoELayer
@@ -87,8 +93,8 @@ class CheckpointPlan:
         """Which path runs the routed experts, by call size (``experts_path="auto"``).
 
         On sm90 with one rank, block-FP8 layers take the small-batch kernels for calls of up
-        to their crossover token count (``backends.small_batch``), MegaMoE above; elsewhere
-        MegaMoE takes every call.
+        to their crossover token count on the card (``backends.small_batch``: each card
+        measured has its own), MegaMoE above; elsewhere MegaMoE takes every call.
         """
         experts, hidden, inter = self.dims
         reasons = {
@@ -100,25 +106,29 @@ class CheckpointPlan:
         if not small:
             return f"MegaMoE for every call (the small-batch path: {next(iter(reasons.values()))})"
         work = LayerWork(experts, experts, self.top_k, hidden, inter)
-        tokens = crossover_tokens(work, EXPERTS_PATH_SCAN)
-        if tokens == 0:
-            return "MegaMoE for every call (the rule predicts it faster at every size here)"
         layers = "every layer" if len(small) == len(self.layers) else f"{len(small)} layer(s)"
-        scratch = (
-            f"; scratch {work.scratch_bytes_per_token / 1000:.1f} KB per token it may take, "
-            "shared by the layers of one shape"
+        cards = "; ".join(
+            f"on an {card}: {calls_taken(crossover_tokens(work, EXPERTS_PATH_SCAN, card))}"
+            for card in CARD_COSTS
         )
-        if tokens == EXPERTS_PATH_SCAN:
-            return (
-                f"small-batch kernels for every call up to the {tokens} tokens considered (the "
-                f"rule never predicts MegaMoE faster there; {layers}; experts_path='auto', "
-                f"capped by the engine's max_num_tokens or small_batch_max_tokens){scratch}"
-            )
         return (
-            f"small-batch kernels for calls of up to {tokens} tokens, MegaMoE above "
-            f"({layers}; experts_path='auto', capped by the engine's max_num_tokens or "
-            f"small_batch_max_tokens){scratch}"
+            f"small-batch kernels {cards} ({layers}; experts_path='auto', capped by the engine's "
+            f"max_num_tokens or small_batch_max_tokens; other cards take the {DEFAULT_CARD}'s "
+            f"rule); scratch {work.scratch_bytes_per_token / 1000:.1f} KB per token it may "
+            "take, shared by the layers of one shape"
         )
+
+
+def calls_taken(tokens: int) -> str:
+    """Which calls the small-batch kernels take, given a card's crossover of ``tokens``."""
+    if tokens == 0:
+        return "none (the rule predicts MegaMoE faster at every size)"
+    if tokens == EXPERTS_PATH_SCAN:
+        return (
+            f"every call up to the {tokens} tokens considered (the rule never predicts "
+            "MegaMoE faster there)"
+        )
+    return f"calls of up to {tokens} tokens, MegaMoE above"
 
 
 def expert_kernel_bytes(fmt: WeightFormat, hidden_size: int, intermediate_size: int) -> int:
