@@ -20,7 +20,12 @@ from memory import canonical_bytes, resident_bytes
 from tile_forcing import WEIGHT_ROWS_WIDE, force_tiles, variant
 
 from megamoe.core.backends.deepgemm import DeepGemmBackend
-from megamoe.core.backends.small_batch import KERNEL_MODULE
+from megamoe.core.backends.small_batch import (
+    KERNEL_MODULE,
+    card_costs,
+    crossover_tokens,
+    layer_work,
+)
 from megamoe.core.modules.experts import MegaMoEExperts
 from megamoe.core.numerics.formats import WeightFormat
 from megamoe.core.testing import synthetic_expert_tensors
@@ -212,6 +217,19 @@ def test_small_batch_max_tokens_hands_larger_calls_to_megamoe(
         x, weights, ids = routing("qwen4exp", tokens, seed=40 + tokens)
         error = relative_error(capped(x, weights, ids), reference(x, weights, ids))
         assert error <= EMULATED_TOL, (tokens, path, error)
+
+
+def test_auto_follows_the_rule_measured_on_this_card() -> None:
+    """The layer asks the rule of the card it runs on (its device's name, ``CARD_COSTS``): on
+    an H200 the GLM-5.3-Flash-sized layer of 32 experts hands calls past 723 tokens to
+    MegaMoE, on an H100 it keeps every call up to its 1024 on the small-batch path."""
+    auto = build("glm53flash", "auto", max_tokens=1024)
+    card = torch.cuda.get_device_name()
+    limit = crossover_tokens(layer_work(auto), 1024, card)
+    assert limit == {"H200": 723, "H100": 1024}[card_costs(card)[0]], card
+    assert auto.backend.path_for(auto, limit) == "small_batch"
+    if limit < 1024:
+        assert auto.backend.path_for(auto, limit + 1) == "megamoe"
 
 
 @pytest.fixture(scope="module")
