@@ -107,9 +107,13 @@ class CheckpointPlan:
             return f"MegaMoE for every call (the small-batch path: {next(iter(reasons.values()))})"
         work = LayerWork(experts, experts, self.top_k, hidden, inter)
         layers = "every layer" if len(small) == len(self.layers) else f"{len(small)} layer(s)"
+        by_crossover: dict[int, list[str]] = {}  # cards whose rules agree, said once
+        for card in CARD_COSTS:
+            tokens = crossover_tokens(work, EXPERTS_PATH_SCAN, card)
+            by_crossover.setdefault(tokens, []).append(card)
         cards = "; ".join(
-            f"on an {card}: {calls_taken(crossover_tokens(work, EXPERTS_PATH_SCAN, card))}"
-            for card in CARD_COSTS
+            f"on an {' and an '.join(names)}: {calls_taken(tokens)}"
+            for tokens, names in by_crossover.items()
         )
         return (
             f"small-batch kernels {cards} ({layers}; experts_path='auto', capped by the engine's "
