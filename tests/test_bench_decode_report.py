@@ -1,7 +1,8 @@
 """``benchmarks/bench_decode.py --from-json`` on the CPU: saved H200 and H100 runs, re-reported.
 
 The saved runs are ``docs/img/decode_h200.json`` and ``decode_h100.json`` (the tables in
-docs/gpu.md). Their times are measured; the ``chosen`` column (and a block's ``auto``) must be
+docs/gpu.md), and the tenth session's H200 run, ``decode_h200_2026-12-05.json``, which names
+no card. Their times are measured; the ``chosen`` column (and a block's ``auto``) must be
 the path this checkout's rule takes at each count on the run's card, whatever rule the run
 itself was taken under.
 """
@@ -18,8 +19,8 @@ from benchmark_scripts import load_benchmark
 from megamoe.core.backends.small_batch import LayerWork, crossover_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
-SAVED = ROOT / "docs" / "img" / "decode_h200.json"
-SAVED_RUNS = [SAVED, ROOT / "docs" / "img" / "decode_h100.json"]
+SAVED = ROOT / "docs" / "img" / "decode_h200_2026-12-05.json"  # names no card: an H200's
+SAVED_RUNS = [SAVED, *(ROOT / "docs" / "img" / f"decode_{card}.json" for card in ("h200", "h100"))]
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,9 @@ SHAPES = {
     "qwen4exp-clamped": (64, 10, 2048, 512, 1.5),
     "glm53flash-unclamped": (32, 8, 4096, 2048, None),
 }
+# every shape build() takes: those above, and eight large experts, all active from the first
+# token, on which the cards' path rules differ
+LAYER_SHAPES = SHAPES | {"wide8": (8, 8, 7168, 2048, None)}
 MAX_TOKENS = 256
 BATCH_TOKENS = 600  # from 512 tokens the kernels take their batch tiles
 # the tile shapes from 512 tokens, forced: the decode grid of 32-token tiles, persistent ones,
@@ -63,7 +66,7 @@ def _small_batch_available() -> None:
 def build(
     shape: str, path: str, seed: int = 0, max_tokens: int = MAX_TOKENS, **options: object
 ) -> MegaMoEExperts:
-    experts_count, top_k, hidden, inter, limit = SHAPES[shape]
+    experts_count, top_k, hidden, inter, limit = LAYER_SHAPES[shape]
     experts = MegaMoEExperts(
         num_experts=experts_count, num_local_experts=experts_count, experts_start_idx=0,
         num_logical_experts=experts_count, top_k=top_k, hidden_size=hidden,
@@ -221,12 +224,12 @@ def test_small_batch_max_tokens_hands_larger_calls_to_megamoe(
 
 def test_auto_follows_the_rule_measured_on_this_card() -> None:
     """The layer asks the rule of the card it runs on (its device's name, ``CARD_COSTS``): on
-    an H200 the GLM-5.3-Flash-sized layer of 32 experts hands calls past 723 tokens to
-    MegaMoE, on an H100 it keeps every call up to its 1024 on the small-batch path."""
-    auto = build("glm53flash", "auto", max_tokens=1024)
+    an H100 a layer of eight large experts hands calls past 833 tokens to MegaMoE, on an
+    H200 it keeps every call up to its 1024 on the small-batch path."""
+    auto = build("wide8", "auto", max_tokens=1024)
     card = torch.cuda.get_device_name()
     limit = crossover_tokens(layer_work(auto), 1024, card)
-    assert limit == {"H200": 723, "H100": 1024}[card_costs(card)[0]], card
+    assert limit == {"H200": 1024, "H100": 833}[card_costs(card)[0]], card
     assert auto.backend.path_for(auto, limit) == "small_batch"
     if limit < 1024:
         assert auto.backend.path_for(auto, limit + 1) == "megamoe"

@@ -22,6 +22,7 @@ from megamoe.core.backends.small_batch import (
     H200_COSTS,
     LayerWork,
     card_costs,
+    crossover_between,
     crossover_tokens,
 )
 from megamoe.core.errors import CapabilityError
@@ -41,45 +42,48 @@ GLM53FLASH = LayerWork(
 )
 
 
-# The GPU tests' GLM-5.3-Flash-sized layer of 32 experts (its crossover comes earlier).
+# The GPU tests' GLM-5.3-Flash-sized layer of 32 experts.
 GLM_32_EXPERTS = LayerWork(
     num_experts=32, num_local_experts=32, top_k=8, hidden=4096, intermediate=2048
 )
+# A layer no model measured: 8 large experts, every one active from the first token (the
+# GPU tests' ``wide8``); the cards' models cross on it at different counts.
+EIGHT_LARGE = LayerWork(num_experts=8, num_local_experts=8, top_k=8, hidden=7168, intermediate=2048)
 
 
-@pytest.mark.parametrize("work", [GLM53FLASH, GLM_32_EXPERTS], ids=["glm53flash", "glm-e32"])
-def test_the_crossover_is_where_the_models_cross(work: LayerWork) -> None:
-    small, megamoe = H200_COSTS.small, H200_COSTS.megamoe
-    tokens = crossover_tokens(work, 8192, H200)
-    assert 0 < tokens < 8192
+@pytest.mark.parametrize("card", [H200, H100])
+def test_the_crossover_is_where_the_models_cross(card: str) -> None:
+    costs = card_costs(card)[1]
+    tokens = crossover_tokens(EIGHT_LARGE, 65536, card)
+    assert 0 < tokens < 65536
     for below in (1, tokens):
-        assert work.predicted_us(small, below) <= work.predicted_us(megamoe, below)
+        small, megamoe = (EIGHT_LARGE.predicted_us(m, below) for m in (costs.small, costs.megamoe))
+        assert small <= megamoe
     after = tokens + 1
-    assert work.predicted_us(small, after) > work.predicted_us(megamoe, after)
+    assert EIGHT_LARGE.predicted_us(costs.small, after) > EIGHT_LARGE.predicted_us(
+        costs.megamoe, after
+    )
 
 
-def test_the_measured_crossovers_of_the_real_layers() -> None:
-    # The latest H200 run (docs/gpu.md, 2026-12-05, tenth session): Qwen4-Exp's small-batch
-    # path beat MegaMoE at every count measured, 1-8192 tokens (1045.5 against 1759.6 us at
-    # 4096, 1638.9 against 2921.0 at 8192); GLM-5.3-Flash's beat it at 1-2048 tokens
-    # (1979.1 against 2291.8 at 1024, 2568.8 against 2671.3 at 2048) and lost at 4096
-    # (4485.4 against 3606.9).
-    assert crossover_tokens(QWEN4EXP, 65536, H200) > 8192
-    assert 2048 <= crossover_tokens(GLM53FLASH, 65536, H200) < 4096
-    # The H100 SXM run (docs/img/decode_h100.json, the fifteenth session): the small-batch
-    # path beat MegaMoE at every count of both layers, 1-8192 tokens (GLM-5.3-Flash 3745.6
-    # against 3830.3 us at 4096, 6442.7 against 6588.9 at 8192).
-    assert crossover_tokens(QWEN4EXP, 65536, H100) > 8192
-    assert crossover_tokens(GLM53FLASH, 65536, H100) > 8192
+@pytest.mark.parametrize("card", [H200, H100])
+def test_the_measured_crossovers_of_the_real_layers(card: str) -> None:
+    # The fifteenth session's runs (docs/img/decode_h200.json, decode_h100.json): on both
+    # cards the small-batch path beat MegaMoE at every count of both layers, 1-8192 tokens
+    # (Qwen4-Exp on the H200 1193.6 against 2973.9 us at 8192; GLM-5.3-Flash 3264.2 against
+    # 3585.8 at 4096, 5937.2 against 6283.1 at 8192; on the H100 3745.6 against 3830.3 and
+    # 6442.7 against 6588.9).
+    for work in (QWEN4EXP, GLM53FLASH, GLM_32_EXPERTS):
+        assert crossover_tokens(work, 65536, card) > 8192
 
 
 def test_the_crossover_follows_the_layer_shape() -> None:
-    # Qwen4-Exp's many small experts keep the small-batch path far past decode; GLM-5.3-Flash's
-    # large ones hand over to MegaMoE earlier on an H200 (measured: past 8192 tokens against
-    # past 2048): one rule, measured constants, two answers.
-    qwen, glm = crossover_tokens(QWEN4EXP, 65536, H200), crossover_tokens(GLM53FLASH, 65536, H200)
-    assert qwen > 3 * glm
-    assert glm >= 1
+    # Eight large experts, all active at any batch, hand calls to MegaMoE where the measured
+    # layers' many experts keep the small-batch path: one rule, measured constants, two
+    # answers.
+    for card in (H200, H100):
+        assert crossover_tokens(EIGHT_LARGE, 65536, card) < crossover_tokens(
+            GLM53FLASH, 65536, card
+        )
 
 
 @pytest.mark.parametrize(
@@ -90,18 +94,16 @@ def test_the_crossover_follows_the_layer_shape() -> None:
 def test_a_card_takes_the_models_measured_on_it_by_name(name: str, key: str) -> None:
     assert card_costs(name) == (key, CARD_COSTS[key])
     assert CARD_COSTS["H100"] is H100_COSTS
+    assert CARD_COSTS["H200"] is H200_COSTS
 
 
 def test_the_crossover_follows_the_card() -> None:
-    # An H100 streams the weights at 3.35 TB/s where an H200 does at 4.8, with the same tensor
-    # cores: the path reading only the active experts' weights stays ahead longer there.
-    assert crossover_tokens(GLM53FLASH, 65536, H100) > crossover_tokens(GLM53FLASH, 65536, H200)
-    assert crossover_tokens(GLM_32_EXPERTS, 65536, H100) > crossover_tokens(
-        GLM_32_EXPERTS, 65536, H200
-    )
-    assert crossover_tokens(GLM53FLASH, 65536, "NVIDIA H800") == crossover_tokens(
-        GLM53FLASH, 65536, H200
-    )
+    # Each card's own models decide: where they differ, so does the crossover.
+    on_h200, on_h100 = (crossover_tokens(EIGHT_LARGE, 65536, card) for card in (H200, H100))
+    assert on_h200 != on_h100
+    for tokens, costs in ((on_h200, H200_COSTS), (on_h100, H100_COSTS)):
+        assert tokens == crossover_between(EIGHT_LARGE, costs.small, costs.megamoe, 65536)
+    assert crossover_tokens(EIGHT_LARGE, 65536, "NVIDIA H800") == on_h200
 
 
 @pytest.mark.parametrize("card", [H200, H100])

@@ -14,7 +14,8 @@ for every call of up to :func:`crossover_tokens` tokens on its card, the last to
 which it is predicted no slower; so a fixed token count always takes one path and a CUDA
 graph captures one. (Past 512
 tokens the small-batch kernels read an expert's weights again per tile of 32 or 64 of its
-tokens, yet Qwen4-Exp at 8192 tokens, 160 per active expert, ran in 0.56 of MegaMoE's time.)
+tokens, yet Qwen4-Exp at 8192 tokens, 160 per active expert, ran in 0.40 of MegaMoE's time on
+an H200.)
 
 ``experts_path`` (an option of ``MegaMoEExperts`` and of both blocks) forces either path:
 ``"small_batch"`` for every call the layer's ``max_num_tokens`` allows, ``"megamoe"`` for
@@ -81,47 +82,31 @@ class CardCosts:
     megamoe: PathCost
 
 
-# Fitted to one run of bench_decode.py on one H200 (graphed medians of both real layers at
-# 1-1024 tokens, 2026-12-04 with TMA tile copies, docs/gpu.md): the small-batch path within
-# 10% (its weights stream at the HBM peak; what it loses to that is per call and per
-# program), MegaMoE within 22% (its fixed term is below both layers' per-slot one, kept
-# from the first fit). The next run (persistent batch programs, 1-4096 tokens) falls within
-# 17% of the small-batch model and, to 2048 tokens, 22% of MegaMoE's (at 4096 tokens its
-# model is 40% under its time on Qwen4-Exp, 37% over on GLM-5.3-Flash); a refit placed the
-# crossovers no closer to the measured ones, so the constants stay. A later run (the fifth
-# session's table) fits a small-batch model that streams the weights once per 32-token tile
-# within 10% at 1-4096 tokens, but no MegaMoE model tried fits past 2048 tokens, and beside
-# this MegaMoE model it would hand Qwen4-Exp to MegaMoE from 3316 tokens, which measured
-# 1.73x slower at 4096: the constants still stay (docs/gpu.md).
-# The tenth session (2026-12-05, claiming and 64-token tiles past decode) added the cost
-# per pair to both models, and refitted every constant with ``benchmarks/fit_path_cost.py``
-# to the seventh session's run, its small-batch times from 1024 tokens replaced by this
-# session's ``bench_tiles.py`` medians of the new tiles. This session's ``bench_decode.py``
-# run (1-8192 tokens, docs/gpu.md) falls within 22% of the small-batch model and 30% of
-# MegaMoE's, and the crossovers fall where it measured them: GLM-5.3-Flash at 2342 tokens
-# (its small-batch path 4% faster at 2048, 24% slower at 4096), Qwen4-Exp past the 65536
-# tokens ``crossover_tokens`` is asked for (the small-batch path 0.56 of MegaMoE's time at
-# 8192). A refit to that run alone places GLM-5.3-Flash's at 1361 tokens, where the
-# small-batch path measured faster to 2048, so these constants stay. Where the two paths
-# are within the models' error of each other the rule may pick the slower one.
+# Each card's models, fitted with ``benchmarks/fit_path_cost.py`` to one bench_decode.py run
+# there (both real layers, 1-8192 tokens, graphed medians; docs/gpu.md has each run and
+# the earlier fits). The H200's, to the fifteenth session's run (2026-12-05, the token-rows
+# tiles, ``docs/img/decode_h200.json``): the small-batch model within 17% of every row,
+# MegaMoE's within 15% but at Qwen4-Exp's 2048 tokens (34% over). The H100 SXM's, to that
+# session's run there (``docs/img/decode_h100.json``): within 11%, and 15% but at the same
+# row (39% over). On both cards the small-batch path beat MegaMoE at every count of both
+# layers (GLM-5.3-Flash on the H200 3264.2 against 3585.8 us at 4096 tokens, 5937.2 against
+# 6283.1 at 8192; the H100 3745.6 against 3830.3, 6442.7 against 6588.9), and both cards'
+# models put both layers' crossovers past the 65536 tokens ``crossover_tokens`` is asked
+# for. The earlier H200 models (the tenth session's, fitted before the token-rows tiles)
+# handed GLM-5.3-Flash to MegaMoE from 2343 tokens. Where the two paths are within the
+# models' error of each other the rule may pick the slower one; for layer shapes unlike
+# the two measured the models extrapolate (both paths stream the weights at about the same
+# rate, so small fitted differences decide for very large layers).
 H200_COSTS = CardCosts(
     small=PathCost(
-        fixed_us=13.8, per_slot_us=0.0, per_program_us=0.00038, bandwidth=4.65e12,
-        flops=7.40e14, per_pair_us=0.0059,
+        fixed_us=13.7, per_slot_us=0.0, per_program_us=0.00154, bandwidth=4.97e12,
+        flops=9.22e14, per_pair_us=0.00264,
     ),
     megamoe=PathCost(
-        fixed_us=60.0, per_slot_us=0.0308, per_program_us=0.0, bandwidth=4.23e12,
-        flops=1.15e15, per_pair_us=0.0194,
+        fixed_us=60.0, per_slot_us=0.0314, per_program_us=0.0, bandwidth=4.34e12,
+        flops=1.15e15, per_pair_us=0.0211,
     ),
 )  # fmt: skip
-# Fitted with ``benchmarks/fit_path_cost.py`` to one bench_decode.py run on one H100 SXM
-# (2026-12-05, the fifteenth session: both real layers, 1-8192 tokens, graphed medians,
-# docs/gpu.md): the small-batch model within 11% of every row, MegaMoE's within 15% but at
-# Qwen4-Exp's 2048 tokens (39% over). There the small-batch path beat MegaMoE at every count
-# of both layers (GLM-5.3-Flash 3745.6 against 3830.3 us at 4096 tokens, 6442.7 against
-# 6588.9 at 8192), where the H200's models hand GLM-5.3-Flash to MegaMoE from 2343 tokens:
-# a card with less bandwidth for the same tensor cores keeps the path that reads only the
-# active experts' weights longer.
 H100_COSTS = CardCosts(
     small=PathCost(
         fixed_us=13.1, per_slot_us=0.0, per_program_us=0.00084, bandwidth=3.19e12,
