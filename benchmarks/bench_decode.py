@@ -240,12 +240,14 @@ def active_floor_us(name: str, active: int, tokens: int, card: str) -> float:
     return 1e6 * max(weight_bytes / bandwidth, flops / fp8_flops)
 
 
-def measure_layer(name: str, counts: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
+def measure_layer(
+    name: str, counts: list[int], args: argparse.Namespace, card: str
+) -> list[dict[str, Any]]:
     max_tokens = max(counts)
     layers = [build_layer(name, 100 + i, max_tokens, "small_batch") for i in range(args.layers)]
     mega = [bare_megamoe(layer) for layer in layers]
     auto = layer_work(layers[0])
-    limit = crossover_tokens(auto, max_tokens, torch.cuda.get_device_name())
+    limit = crossover_tokens(auto, max_tokens, card)
     print(f"{name}: {args.layers} layers, auto takes the small-batch path up to {limit} tokens",
           flush=True)  # fmt: skip
     rows = []
@@ -331,7 +333,7 @@ def table_columns() -> list[tuple[str, str]]:
     return [(title, spec) for title, spec, _ in COLUMNS]
 
 
-def measure_blocks(counts: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
+def measure_blocks(counts: list[int], args: argparse.Namespace, card: str) -> list[dict[str, Any]]:
     """Both blocks, graphed, on each experts path (router, shared expert, combine)."""
     import bench_block
     from megamoe.glm5next.adapter import ADAPTER as GLM
@@ -358,7 +360,6 @@ def measure_blocks(counts: list[int], args: argparse.Namespace) -> list[dict[str
                 for path, block in blocks.items()
             }
             times = interleaved_us(samplers, warmup=2, rounds=args.rounds)
-            card = torch.cuda.get_device_name()
             row = block_chosen({"block": name, "tokens": tokens} | times, max(counts), card)
             rows.append(row)
             print(f"block {name} {tokens:5d} tokens graphed: small_batch "
@@ -430,9 +431,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         card = torch.cuda.get_device_name()
         print(f"card: {card}; floor at {card_peaks(card)[0] / 1e12:.2f} TB/s", flush=True)
         counts = [int(t) for t in args.tokens.split(",")]
-        rows = [row for name in args.models.split(",") for row in measure_layer(name, counts, args)]
+        models = args.models.split(",")
+        rows = [row for name in models for row in measure_layer(name, counts, args, card)]
         block_counts = [int(t) for t in args.blocks.split(",") if t]
-        block_rows = measure_blocks(block_counts, args) if block_counts else []
+        block_rows = measure_blocks(block_counts, args, card) if block_counts else []
         write_json(args.json, {"args": vars(args), "card": card, "rows": rows,
                                "blocks": block_rows})  # fmt: skip
     print(format_table(table_columns(), [[r.get(k) for _, _, k in COLUMNS] for r in rows]))

@@ -112,8 +112,8 @@ def test_a_graphed_block_matches_transformers(tmp_path: Path, family: str) -> No
 def test_an_eager_block_past_256_tokens_matches_transformers(tmp_path: Path, family: str) -> None:
     """Eagerly a router under 256 experts stays one launch up to 1024 tokens (graphs take
     cuBLAS's logits from 256): its routing and the block's output against transformers. The
-    experts take the small-batch path at both counts (the tiny layer's crossover is 1630
-    tokens on an H200, later on an H100), on its batch tiles at 1024 (persistent programs,
+    experts take the small-batch path at both counts (the tiny layer's crossover lies past
+    65536 tokens on an H200 and an H100), on its batch tiles at 1024 (persistent programs,
     the grouping spread)."""
     tiny, layer, block = _tiny_block(tmp_path, family, max(EAGER_TOKEN_COUNTS))
     for count in EAGER_TOKEN_COUNTS:
