@@ -2,8 +2,9 @@
 
 The rule that picks the small-batch path or MegaMoE per call (``megamoe.core.backends.
 small_batch``) predicts each path's time from the layer's work with a ``PathCost`` per path.
-This reads a ``bench_decode.py`` JSON (graphed medians of both paths per real layer and token
-count, measured side by side), fits each path's constants to every row of the run by least
+This reads ``bench_decode.py`` JSONs of one card (graphed medians of both paths per layer and
+token count, measured side by side; several runs, say one of the real layers and one of
+``deepseekv3``'s shape), fits each path's constants to every row of the runs by least
 squares on the log of the time (the relative error; every constant positive, the terms a path
 lacks kept at zero: the small-batch path pays no per-slot cost, MegaMoE no per-program one),
 and prints:
@@ -15,6 +16,8 @@ and prints:
   which MegaMoE was faster), under the checkout's models and under the fitted ones.
 
     python benchmarks/fit_path_cost.py decode.json --json fit.json
+    python benchmarks/fit_path_cost.py docs/img/decode_h100.json \
+        docs/img/decode_h100_deepseekv3.json
 
 Runs anywhere (no GPU): the times are the run's.
 """
@@ -53,7 +56,7 @@ COLUMNS = [
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("decode_json", help="bench_decode.py's --json")
+    p.add_argument("decode_json", nargs="+", help="bench_decode.py's --json, one card's")
     p.add_argument("--steps", type=int, default=1500, help="optimizer steps per path")
     p.add_argument("--json", default="", help="write the constants, rows and crossovers here")
     return p.parse_args(argv)
@@ -119,9 +122,25 @@ def measured_crossover(rows: list[dict[str, Any]], layer: str) -> int:
     return last
 
 
+def read_runs(paths: Sequence[str]) -> tuple[str, list[dict[str, Any]]]:
+    """The runs' card and all their rows, or SystemExit where two runs name other cards."""
+    cards, rows = {}, []
+    for path in paths:
+        card, run_rows = read_run(path)
+        cards[path] = card
+        rows += run_rows
+    if len(set(cards.values())) > 1:
+        named = ", ".join(f"{path}: {card}" for path, card in cards.items())
+        raise SystemExit(
+            f"fit_path_cost: the runs are of different cards ({named}); a fit is one card's "
+            "models: pass one card's runs"
+        )
+    return cards[paths[0]], rows
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse(argv)
-    card, rows = read_run(args.decode_json)
+    card, rows = read_runs(args.decode_json)
     key, checkout = card_costs(card)
     print(f"card: {card} (the checkout's models: CARD_COSTS[{key!r}])")
     models = {column: getattr(checkout, field) for column, (field, _) in PATHS.items()}

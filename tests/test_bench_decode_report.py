@@ -21,6 +21,8 @@ from megamoe.core.backends.small_batch import LayerWork, crossover_tokens
 ROOT = Path(__file__).resolve().parents[1]
 SAVED = ROOT / "docs" / "img" / "decode_h200_2026-12-05.json"  # names no card: an H200's
 SAVED_RUNS = [SAVED, *(ROOT / "docs" / "img" / f"decode_{card}.json" for card in ("h200", "h100"))]
+# a run of the DeepSeek-V3-shaped layer alone (no block rows)
+LAYER_RUNS = [*SAVED_RUNS, ROOT / "docs" / "img" / "decode_h100_deepseekv3.json"]
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +30,7 @@ def bench() -> ModuleType:
     return load_benchmark("bench_decode")
 
 
-@pytest.mark.parametrize("saved", SAVED_RUNS, ids=lambda path: path.stem)
+@pytest.mark.parametrize("saved", LAYER_RUNS, ids=lambda path: path.stem)
 def test_the_saved_run_is_reported_with_this_checkouts_rule(
     bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str], saved: Path
 ) -> None:

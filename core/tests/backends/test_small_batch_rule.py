@@ -46,9 +46,10 @@ GLM53FLASH = LayerWork(
 GLM_32_EXPERTS = LayerWork(
     num_experts=32, num_local_experts=32, top_k=8, hidden=4096, intermediate=2048
 )
-# A layer no model measured: 8 large experts, every one active from the first token (the
-# GPU tests' ``wide8``); the cards' models cross on it at different counts.
-EIGHT_LARGE = LayerWork(num_experts=8, num_local_experts=8, top_k=8, hidden=7168, intermediate=2048)
+# A layer no model measured: 8 large experts, every one active from the first token, each
+# holding hundreds of tokens by 512 (the GPU tests' ``wide8``); the cards' models cross on
+# it at different counts.
+EIGHT_LARGE = LayerWork(num_experts=8, num_local_experts=8, top_k=8, hidden=7168, intermediate=4096)
 
 
 @pytest.mark.parametrize("card", [H200, H100])

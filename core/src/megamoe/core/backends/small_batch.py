@@ -76,26 +76,33 @@ class PathCost:
 
 @dataclass(frozen=True)
 class CardCosts:
-    """One card's models of the two paths (fitted to one ``bench_decode.py`` run there)."""
+    """One card's models of the two paths (fitted to ``bench_decode.py`` runs there)."""
 
     small: PathCost
     megamoe: PathCost
 
 
-# Each card's models, fitted with ``benchmarks/fit_path_cost.py`` to one bench_decode.py run
+# Each card's models, fitted with ``benchmarks/fit_path_cost.py`` to bench_decode.py runs
 # there (both real layers, 1-8192 tokens, graphed medians; docs/gpu.md has each run and
 # the earlier fits). The H200's, to the fifteenth session's run (2026-12-05, the token-rows
 # tiles, ``docs/img/decode_h200.json``): the small-batch model within 17% of every row,
 # MegaMoE's within 15% but at Qwen4-Exp's 2048 tokens (34% over). The H100 SXM's, to that
-# session's run there (``docs/img/decode_h100.json``): within 11%, and 15% but at the same
-# row (39% over). On both cards the small-batch path beat MegaMoE at every count of both
-# layers (GLM-5.3-Flash on the H200 3264.2 against 3585.8 us at 4096 tokens, 5937.2 against
-# 6283.1 at 8192; the H100 3745.6 against 3830.3, 6442.7 against 6588.9), and both cards'
-# models put both layers' crossovers past the 65536 tokens ``crossover_tokens`` is asked
-# for. The earlier H200 models (the tenth session's, fitted before the token-rows tiles)
+# session's run there (``docs/img/decode_h100.json``) and the sixteenth session's run of a
+# layer of DeepSeek-V3's shape, 256 experts of 7168 x 2048, top-8
+# (``docs/img/decode_h100_deepseekv3.json``): the small-batch model within 13% of every row,
+# MegaMoE's within 21% but at Qwen4-Exp's 2048 tokens (37% over). On both cards the
+# small-batch path beat MegaMoE at every count of both real layers (GLM-5.3-Flash on the
+# H200 3264.2 against 3585.8 us at 4096 tokens, 5937.2 against 6283.1 at 8192; the H100
+# 3745.6 against 3830.3, 6442.7 against 6588.9), and both cards' models put both layers'
+# crossovers past the 65536 tokens ``crossover_tokens`` is asked for. On the H100 the
+# DeepSeek-V3-shaped layer took the small-batch path faster at 1-256 tokens and from 4096
+# (0.89 of MegaMoE's time there), 2.4% and 0.9% slower at 1024 and 2048: these models keep
+# it on the small-batch path at every count, where the previous ones (fitted to the real
+# layers alone) handed it to MegaMoE from 55 tokens, 4-12% slower at 64, 256, 4096 and
+# 8192. The earlier H200 models (the tenth session's, fitted before the token-rows tiles)
 # handed GLM-5.3-Flash to MegaMoE from 2343 tokens. Where the two paths are within the
 # models' error of each other the rule may pick the slower one; for layer shapes unlike
-# the two measured the models extrapolate (both paths stream the weights at about the same
+# those measured the models extrapolate (both paths stream the weights at about the same
 # rate, so small fitted differences decide for very large layers).
 H200_COSTS = CardCosts(
     small=PathCost(
@@ -109,12 +116,12 @@ H200_COSTS = CardCosts(
 )  # fmt: skip
 H100_COSTS = CardCosts(
     small=PathCost(
-        fixed_us=13.1, per_slot_us=0.0, per_program_us=0.00084, bandwidth=3.19e12,
-        flops=9.86e14, per_pair_us=0.0025,
+        fixed_us=13.3, per_slot_us=0.0, per_program_us=0.000675, bandwidth=3.18e12,
+        flops=9.03e14, per_pair_us=0.00186,
     ),
     megamoe=PathCost(
-        fixed_us=60.0, per_slot_us=0.0292, per_program_us=0.0, bandwidth=3.21e12,
-        flops=1.45e15, per_pair_us=0.0243,
+        fixed_us=50.8, per_slot_us=0.0289, per_program_us=0.0, bandwidth=3.20e12,
+        flops=1.06e15, per_pair_us=0.0222,
     ),
 )  # fmt: skip
 # Each card's models, by a piece of its name (``torch.cuda.get_device_name``: "NVIDIA H200",
