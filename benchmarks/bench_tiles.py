@@ -88,7 +88,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 def forced(tiles: kernels.Tiles) -> Iterator[None]:
     """Every call of the small-batch kernels takes ``tiles`` (the tile rule, replaced)."""
     rule = kernels.tiles_for
-    kernels.tiles_for = lambda tokens, top_k, num_experts: tiles
+    kernels.tiles_for = lambda tokens, top_k, num_experts, expert_bytes: tiles
     try:
         yield
     finally:

@@ -15,7 +15,9 @@ def force_tiles(monkeypatch: pytest.MonkeyPatch, kernels: ModuleType, tiles: Any
     ``tiles``: a tile shape's name in the module, or a ``Tiles`` (``variant``'s).
     """
     shape = getattr(kernels, tiles) if isinstance(tiles, str) else tiles
-    monkeypatch.setattr(kernels, "tiles_for", lambda tokens, top_k, num_experts: shape)
+    monkeypatch.setattr(
+        kernels, "tiles_for", lambda tokens, top_k, num_experts, expert_bytes: shape
+    )
 
 
 def variant(kernels: ModuleType, name: str, **changes: Any) -> Any:

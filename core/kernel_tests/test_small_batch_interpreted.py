@@ -267,7 +267,7 @@ def test_the_route_table_groups_the_pairs_by_expert(
     kernels = gpu_like_interpreter
     tokens, call = 600, calls[None]
     x, weights, ids = routing(tokens, seed=5)
-    assert kernels.tiles_for(tokens, TOP_K, EXPERTS) is kernels.WIDE_TILES
+    assert kernels.tiles_for(tokens, TOP_K, EXPERTS, 3 * HIDDEN * INTER) is kernels.WIDE_TILES
     call.forward(kernel_weights(kernels, references[(None, True)]), x, None, weights, ids)
     pairs, table = ids.numel(), call._table
     flat = ids.flatten().long()
@@ -292,24 +292,51 @@ def test_the_route_table_groups_the_pairs_by_expert(
     assert tiles[kernels.TILES_HEADER : kernels.TILES_HEADER + len(expected)].tolist() == expected
 
 
+QWEN4EXP_EXPERT = 3 * 2048 * 512  # bytes of one block-FP8 expert: 3.1 MB
+GLM53FLASH_EXPERT = 3 * 4096 * 2048  # 25 MB
+DEEPSEEKV3_EXPERT = 3 * 7168 * 2048  # 44 MB
+LARGE_EXPERT = 8 << 20  # from here an expert takes the 64-token tiles past 26 pairs
+
+
 @pytest.mark.parametrize(
-    ("experts", "top_k", "tokens", "expected"),
-    [(512, 10, 511, "DECODE_TILES"), (512, 10, 512, "MIDSIZE_TILES"),
-     (512, 10, 1228, "MIDSIZE_TILES"), (512, 10, 1229, "BATCH_TILES"),
-     (512, 10, 1638, "BATCH_TILES"), (512, 10, 1639, "WIDE_TILES"),
-     (288, 8, 864, "MIDSIZE_TILES"), (288, 8, 865, "BATCH_TILES"),
-     (288, 8, 1152, "BATCH_TILES"), (288, 8, 1153, "WIDE_TILES"),
-     (64, 10, 512, "WIDE_TILES"), (256, 10, 512, "MIDSIZE_TILES"), (160, 10, 512, "BATCH_TILES")],
+    ("experts", "top_k", "expert_bytes", "tokens", "expected"),
+    [
+        (512, 10, QWEN4EXP_EXPERT, 511, "DECODE_TILES"),
+        (512, 10, QWEN4EXP_EXPERT, 512, "MIDSIZE_TILES"),
+        (512, 10, QWEN4EXP_EXPERT, 1228, "MIDSIZE_TILES"),
+        (512, 10, QWEN4EXP_EXPERT, 1229, "BATCH_TILES"),
+        (512, 10, QWEN4EXP_EXPERT, 1638, "BATCH_TILES"),
+        (512, 10, QWEN4EXP_EXPERT, 1639, "WIDE_TILES"),
+        (288, 8, GLM53FLASH_EXPERT, 864, "MIDSIZE_TILES"),
+        (288, 8, GLM53FLASH_EXPERT, 865, "BATCH_TILES"),
+        (288, 8, GLM53FLASH_EXPERT, 936, "BATCH_TILES"),
+        (288, 8, GLM53FLASH_EXPERT, 937, "WIDE_TILES"),
+        (256, 8, DEEPSEEKV3_EXPERT, 832, "BATCH_TILES"),
+        (256, 8, DEEPSEEKV3_EXPERT, 1024, "WIDE_TILES"),
+        (288, 8, LARGE_EXPERT - 1, 1152, "BATCH_TILES"),
+        (288, 8, LARGE_EXPERT, 1152, "WIDE_TILES"),
+        (64, 10, QWEN4EXP_EXPERT, 512, "WIDE_TILES"),
+        (256, 10, QWEN4EXP_EXPERT, 512, "MIDSIZE_TILES"),
+        (160, 10, QWEN4EXP_EXPERT, 512, "BATCH_TILES"),
+    ],
 )  # fmt: skip
-def test_the_tiles_follow_the_tokens_and_the_pairs_per_expert(
-    gpu_like_interpreter: ModuleType, experts: int, top_k: int, tokens: int, expected: str
+def test_the_tiles_follow_the_tokens_the_pairs_and_the_expert_size(
+    gpu_like_interpreter: ModuleType,
+    experts: int,
+    top_k: int,
+    expert_bytes: int,
+    tokens: int,
+    expected: str,
 ) -> None:
     """Below 512 tokens the decode tiles; then the decode grid of 32-token tiles while the
     local experts hold at most 24 pairs each on average (Qwen4-Exp's 512 x top-10 to 1228
     tokens, GLM-5.3-Flash's 288 x top-8 to 864), persistent programs past it, on 32-token
-    tiles to 32 pairs per expert (1638 and 1152 tokens) and 64-token ones past that."""
+    tiles to 32 pairs per expert for experts under 8 MiB (Qwen4-Exp to 1638 tokens) and to
+    26 for larger ones (GLM-5.3-Flash to 936 tokens, DeepSeek-V3's shape to 832), and
+    64-token ones past that."""
     kernels = gpu_like_interpreter
-    assert kernels.tiles_for(tokens, top_k, experts) is getattr(kernels, expected)
+    assert kernels.LARGE_EXPERT_BYTES == LARGE_EXPERT
+    assert kernels.tiles_for(tokens, top_k, experts, expert_bytes) is getattr(kernels, expected)
 
 
 def test_int64_ids_and_an_empty_call(

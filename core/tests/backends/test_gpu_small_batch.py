@@ -343,7 +343,10 @@ def test_every_tile_shape_and_grouping_gives_the_same_bits(
     x, topk_weights, ids = routing("qwen4exp", tokens, seed=17, mode=mode)
     if mode == "one":
         ids[:, 0] = first + 1  # a local expert: 1200 of its pairs, 38 tiles
-    assert kernels.tiles_for(tokens, call.top_k, call.num_experts) is kernels.WIDE_TILES
+    expert_bytes = 3 * call.hidden * call.intermediate
+    assert (
+        kernels.tiles_for(tokens, call.top_k, call.num_experts, expert_bytes) is kernels.WIDE_TILES
+    )
     persistent = call.forward(weights, x, None, topk_weights, ids)
     for tiles in ("MIDSIZE_TILES", "DECODE_TILES", "BATCH_TILES", taking, *orientations):
         force_tiles(monkeypatch, kernels, tiles)

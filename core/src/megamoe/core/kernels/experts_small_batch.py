@@ -23,7 +23,8 @@ while the launch before it runs, and wait for it only before reading what it wro
    an expert holds more than ``MIDSIZE_PAIRS_PER_EXPERT`` pairs on average,
    ``Tiles.l1_per_sm`` persistent programs per SM, each claiming (expert tile, 64 columns)
    items from a counter, ``Tiles.claim``; tiles of 64 tokens past
-   ``WIDE_PAIRS_PER_EXPERT`` pairs per expert): the gate and up rows
+   ``WIDE_PAIRS_PER_EXPERT`` pairs per expert, ``LARGE_EXPERT_WIDE_PAIRS`` for large
+   experts): the gate and up rows
    of the block-FP8 ``w13`` (stored with gate and up rows interleaved in groups of 8,
    ``l1_order``) against the expert's tokens, 128x128 float32 block scales, SwiGLU with the
    layer's clamp, times the top-k weight, cast to FP8 with a power-of-two scale per 64
@@ -226,18 +227,26 @@ MIDSIZE_PAIRS_PER_EXPERT = 24
 # Past this many pairs per local expert on average, 64-token tiles (one tile holds most
 # experts' pairs, where 32-token ones need two or more, each streaming the weights again).
 WIDE_PAIRS_PER_EXPERT = 32
+# Experts of at least this many weight bytes take the 64-token tiles past fewer pairs: a
+# second 32-pair tile of a large expert costs more than the wide tiles' empty rows (H100
+# SXM, 2026-12-05: GLM-5.3-Flash's 25 MB experts 1.1-1.5% faster on 64-token tiles at 28
+# and 32 pairs, 0.3% slower at 25; a DeepSeek-V3-shaped layer's 44 MB ones 4.6% and 9.5%
+# faster at 28 and 32; Qwen4-Exp's 3.1 MB ones 2.6% slower at 28, 0.5% faster at 32).
+LARGE_EXPERT_BYTES = 8 << 20
+LARGE_EXPERT_WIDE_PAIRS = 26
 # Up to this many (token, slot) pairs, when the router already wrote the FP8 tokens, the l1
 # and l2 programs find their expert's pairs by scanning the ids: no route launch at all.
 SCAN_PAIRS = 64
 
 
-def tiles_for(tokens: int, top_k: int, num_experts: int) -> Tiles:
+def tiles_for(tokens: int, top_k: int, num_experts: int, expert_bytes: int) -> Tiles:
     """The tile shape for a call of ``tokens`` tokens (measured on the H200, docs/gpu.md).
 
-    ``top_k`` slots per token over ``num_experts`` local experts: from 512 tokens the pairs
-    an expert holds on average choose between the decode grid's 32-token tiles and the
-    persistent programs (``MIDSIZE_PAIRS_PER_EXPERT``), and these between 32- and 64-token
-    tiles (``WIDE_PAIRS_PER_EXPERT``).
+    ``top_k`` slots per token over ``num_experts`` local experts of ``expert_bytes`` weight
+    bytes each: from 512 tokens the pairs an expert holds on average choose between the
+    decode grid's 32-token tiles and the persistent programs (``MIDSIZE_PAIRS_PER_EXPERT``),
+    and these between 32- and 64-token tiles (``WIDE_PAIRS_PER_EXPERT``, or
+    ``LARGE_EXPERT_WIDE_PAIRS`` for experts of ``LARGE_EXPERT_BYTES`` or more).
 
     Decode sizes put one or two tokens on most experts: 16-token tiles waste least, and
     l2 programs of 64 columns with 5 stages in flight streamed best (within 4% of the best of
@@ -269,12 +278,19 @@ def tiles_for(tokens: int, top_k: int, num_experts: int) -> Tiles:
     at 2048 and 4096 tokens (695.1 against 726.0 us at 2048), GLM-5.3-Flash 0.8% slower at
     2048 and 19% faster at 4096 (3618.6 against 4481.9); 128-token tiles of 8 warps, and
     64-token ones at 128 registers (four programs an SM, spilling), took 1.1-2.4x as long.
+    Experts of 8 MiB and more take the 64-token tiles past 26 pairs (2026-12-05, an H100
+    SXM): a DeepSeek-V3-shaped layer (44 MB experts) 9.5% faster at 32 pairs (1024 tokens:
+    4155.1 against 4593.5 us), 4.6% at 28; GLM-5.3-Flash 1.1% and 1.5% at 28 and 32, 0.3%
+    slower at 25; Qwen4-Exp's 3.1 MB experts keep the 32-token ones to 32 pairs (64-token
+    ones 2.6% and 1.8% slower at 28 and 30, 0.5% faster at 32).
     """
     if tokens < 512:
         return DECODE_TILES
     if tokens * top_k <= MIDSIZE_PAIRS_PER_EXPERT * num_experts:
         return MIDSIZE_TILES
-    if tokens * top_k <= WIDE_PAIRS_PER_EXPERT * num_experts:
+    large = expert_bytes >= LARGE_EXPERT_BYTES
+    wide_pairs = LARGE_EXPERT_WIDE_PAIRS if large else WIDE_PAIRS_PER_EXPERT
+    if tokens * top_k <= wide_pairs * num_experts:
         return BATCH_TILES
     return WIDE_TILES
 
@@ -1219,6 +1235,7 @@ class SmallBatchExperts:
         self.hidden, self.intermediate = hidden, intermediate
         self.swiglu_limit = swiglu_limit
         self.max_tokens = max_tokens
+        self._expert_bytes = 3 * hidden * intermediate  # block-FP8 w13 and w2 (tiles_for)
         pairs = max_tokens * top_k
         expert_tiles = most_expert_tiles(pairs, num_experts, SMALLEST_BLOCK_M)
         self._table = torch.empty(
@@ -1320,7 +1337,7 @@ class SmallBatchExperts:
         if tokens == 0:
             return out
         pairs, index = tokens * self.top_k, topk_ids.device.index
-        tiles = tiles_for(tokens, self.top_k, self.num_experts)
+        tiles = tiles_for(tokens, self.top_k, self.num_experts, self._expert_bytes)
         cast = hidden_scale is None
         x, x_scale = self._x_fp8, self._x_scale
         if hidden_scale is not None:  # the router wrote FP8 tokens by the same rule
