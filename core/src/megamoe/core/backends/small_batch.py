@@ -96,13 +96,14 @@ class CardCosts:
 # 3745.6 against 3830.3, 6442.7 against 6588.9), and both cards' models put both layers'
 # crossovers past the 65536 tokens ``crossover_tokens`` is asked for. On the H100 the
 # DeepSeek-V3-shaped layer took the small-batch path faster at 1-256 tokens and from 4096
-# (0.89 of MegaMoE's time there), 2.4% and 0.9% slower at 1024 and 2048: these models keep
-# it on the small-batch path at every count, where the previous ones (fitted to the real
-# layers alone) handed it to MegaMoE from 55 tokens, 4-12% slower at 64, 256, 4096 and
-# 8192. The earlier H200 models (the tenth session's, fitted before the token-rows tiles)
-# handed GLM-5.3-Flash to MegaMoE from 2343 tokens. Where the two paths are within the
-# models' error of each other the rule may pick the slower one; for layer shapes unlike
-# those measured the models extrapolate (both paths stream the weights at about the same
+# (0.89 of MegaMoE's time there), 2.4% and 0.9% slower at 1024 and 2048 (at 1024 on the
+# 32-token tiles; on the 64-token ones ``tiles_for`` now takes there, 7% faster): these
+# models keep it on the small-batch path at every count, where the previous ones (fitted to
+# the real layers alone) handed it to MegaMoE from 55 tokens, 4-12% slower at 64, 256,
+# 4096 and 8192. The earlier H200 models (the tenth session's, fitted before the
+# token-rows tiles) handed GLM-5.3-Flash to MegaMoE from 2343 tokens. Where the two paths
+# are within the models' error of each other the rule may pick the slower one; for layer
+# shapes unlike those measured the models extrapolate (both paths stream the weights at about the same
 # rate, so small fitted differences decide for very large layers).
 H200_COSTS = CardCosts(
     small=PathCost(
