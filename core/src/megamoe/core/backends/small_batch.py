@@ -103,8 +103,8 @@ class CardCosts:
 # 4096 and 8192. The earlier H200 models (the tenth session's, fitted before the
 # token-rows tiles) handed GLM-5.3-Flash to MegaMoE from 2343 tokens. Where the two paths
 # are within the models' error of each other the rule may pick the slower one; for layer
-# shapes unlike those measured the models extrapolate (both paths stream the weights at about the same
-# rate, so small fitted differences decide for very large layers).
+# shapes unlike those measured the models extrapolate (both paths stream the weights at
+# about the same rate, so small fitted differences decide for very large layers).
 H200_COSTS = CardCosts(
     small=PathCost(
         fixed_us=13.7, per_slot_us=0.0, per_program_us=0.00154, bandwidth=4.97e12,
