@@ -37,6 +37,10 @@ run python3 benchmarks/bench_requant.py --torch-reps 2 --json "$out/requant.json
 run python3 benchmarks/bench_forward.py --tokens 1,16,128,256,1024,4096 --json "$out/forward.json"
 run python3 benchmarks/bench_block.py --tokens 1,16,128,256,1024,4096 --json "$out/block.json"
 run python3 benchmarks/bench_decode.py --json "$out/decode.json" --plot "$out/decode.png"
+# The path rule's check on a shape it was not fitted to (two 11.3 GB copies): refit this
+# card's models to both runs with benchmarks/fit_path_cost.py decode.json decode_deepseekv3.json
+run python3 benchmarks/bench_decode.py --models deepseekv3 --layers 2 --blocks "" \
+  --tokens 1,4,16,64,256,1024,2048,4096,8192 --json "$out/decode_deepseekv3.json"
 # The same blocks at the real models' sizes (one layer, one rank): GLM-5.3-Flash, Qwen4-Exp.
 run python3 benchmarks/bench_block.py --adapters glm5next --experts 288 --top-k 8 --hidden 4096 \
   --intermediate 2048 --shared-intermediate 2048 --tokens 1,16,64,256 --iters 15 --no-compile \
@@ -60,4 +64,10 @@ run python3 benchmarks/bench_host.py --json "$out/host.json"
 weight_rows=$(python3 -c "from tile_forcing import weight_rows_spec; print(weight_rows_spec())")
 run python3 benchmarks/bench_tiles.py --tiles "WIDE_TILES $weight_rows BATCH_TILES MIDSIZE_TILES" \
   --probes "unscaled weights_in_l2" --json "$out/tiles.json"
+# The tile rule's thresholds on this card (sixteenth session, measured on an H100): 21-32
+# pairs per expert on GLM-5.3-Flash's and the DeepSeek-V3-shaped layers' large experts
+run python3 benchmarks/bench_tiles.py --models glm53flash --tokens 768,864,1008,1152 \
+  --tiles "MIDSIZE_TILES BATCH_TILES WIDE_TILES" --json "$out/tiles_glm_thresholds.json"
+run python3 benchmarks/bench_tiles.py --models deepseekv3 --tokens 768,896,1024 \
+  --tiles "MIDSIZE_TILES BATCH_TILES WIDE_TILES" --json "$out/tiles_deepseekv3_thresholds.json"
 exit $status
