@@ -72,8 +72,8 @@ SAVED_CARD = "NVIDIA H200"  # the card of saved runs that do not name theirs (be
 LAYERS = {
     "qwen4exp": (512, 10, 2048, 512, None, 512),
     "glm53flash": (288, 8, 4096, 2048, 10.0, 2048),
-    # a layer of DeepSeek-V3's shape, which no adapter here loads: the path rule's check on
-    # a shape it was not fitted to (--models deepseekv3; the block rows are the adapters')
+    # DeepSeek-V3's MoE layer (megamoe-glm5next loads its checkpoints): the path rule's check
+    # on a shape it was not fitted to (--models deepseekv3; the block rows are the two above)
     "deepseekv3": (256, 8, 7168, 2048, None, 2048),
 }
 DECODE_COUNTS = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192"
