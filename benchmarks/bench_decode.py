@@ -278,11 +278,16 @@ def measure_layer(
     return rows
 
 
+def layer_of(name: str) -> LayerWork:
+    """The layer ``name`` of ``LAYERS``, on one rank (every expert local)."""
+    experts, top_k, hidden, inter = LAYERS[name][:4]
+    return LayerWork(experts, experts, top_k, hidden, inter)
+
+
 def rule_limit(name: str, max_tokens: int, card: str) -> int:
     """The most tokens this checkout's rule sends down the small-batch path for layer ``name``
     on ``card``."""
-    experts, top_k, hidden, inter, _, _ = LAYERS[name]
-    return crossover_tokens(LayerWork(experts, experts, top_k, hidden, inter), max_tokens, card)
+    return crossover_tokens(layer_of(name), max_tokens, card)
 
 
 def path_taken(tokens: int, limit: int) -> str:

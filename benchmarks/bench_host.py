@@ -108,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for name in args.models.split(","):
         call, weights = small_batch_call(name, device, max(counts))
-        experts, top_k, hidden, inter = LAYERS[name][:4]
+        experts, top_k, hidden = LAYERS[name][:3]
         for tokens in counts:
             gen = torch.Generator().manual_seed(tokens)
             x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device)
@@ -116,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             ids = torch.randint(0, experts, (tokens, top_k), generator=gen, dtype=torch.int32)
             inputs = (weights, x, None, topk_weights, ids.to(device))
             us = least_us(functools.partial(call.forward, *inputs), args.calls, args.rounds)
-            tiles = kernels.tiles_for(tokens, top_k, experts, 3 * hidden * inter)
+            tiles = call.tiles(tokens)
             label = next(n for n in ("DECODE", "MIDSIZE", "BATCH", "WIDE")
                          if getattr(kernels, f"{n}_TILES") is tiles)  # fmt: skip
             rows.append({"layer": name, "tokens": tokens, "tiles": label, "host us": us})

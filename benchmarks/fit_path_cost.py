@@ -34,11 +34,10 @@ from typing import Any
 
 import torch
 
-from bench_decode import LAYERS, SAVED_CARD
+from bench_decode import LAYERS, SAVED_CARD, layer_of
 from harness import format_table, write_json
 from megamoe.core.backends.small_batch import (
     CardCosts,
-    LayerWork,
     PathCost,
     card_costs,
     crossover_between,
@@ -60,12 +59,6 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=1500, help="optimizer steps per path")
     p.add_argument("--json", default="", help="write the constants, rows and crossovers here")
     return p.parse_args(argv)
-
-
-def layer_of(name: str) -> LayerWork:
-    """The real layer ``name`` of bench_decode, on one rank."""
-    experts, top_k, hidden, intermediate = LAYERS[name][:4]
-    return LayerWork(experts, experts, top_k, hidden, intermediate)
 
 
 def read_run(path: str) -> tuple[str, list[dict[str, Any]]]:

@@ -16,7 +16,7 @@ from types import ModuleType
 import pytest
 from benchmark_scripts import load_benchmark
 
-from megamoe.core.backends.small_batch import LayerWork, crossover_tokens
+from megamoe.core.backends.small_batch import crossover_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 SAVED = ROOT / "docs" / "img" / "decode_h200_2026-12-05.json"  # names no card: an H200's
@@ -49,8 +49,7 @@ def test_the_saved_run_is_reported_with_this_checkouts_rule(
     }
     assert len(lines) == len(report["rows"])
     for row in report["rows"]:
-        experts, top_k, hidden, inter, _, _ = bench.LAYERS[row["layer"]]
-        work = LayerWork(experts, experts, top_k, hidden, inter)
+        work = bench.layer_of(row["layer"])
         limit = crossover_tokens(work, max_tokens, card)
         expected = "small_batch" if row["tokens"] <= limit else "megamoe"
         assert lines[(row["layer"], row["tokens"])][10] == expected, (row["layer"], row["tokens"])
@@ -70,9 +69,7 @@ def test_a_saved_blocks_auto_is_the_path_this_checkouts_rule_takes(
     for row in blocks:
         planted = row | {"auto_path": "nonsense", "auto": -1.0}
         again = bench.block_chosen(planted, block_max, card)
-        experts, top_k, hidden, inter, _, _ = bench.LAYERS[row["block"]]
-        work = LayerWork(experts, experts, top_k, hidden, inter)
-        limit = crossover_tokens(work, block_max, card)
+        limit = crossover_tokens(bench.layer_of(row["block"]), block_max, card)
         path = "small_batch" if row["tokens"] <= limit else "megamoe"
         assert again["auto_path"] == path, (row["block"], row["tokens"])
         assert again["auto"] == row[path]

@@ -267,7 +267,7 @@ def test_the_route_table_groups_the_pairs_by_expert(
     kernels = gpu_like_interpreter
     tokens, call = 600, calls[None]
     x, weights, ids = routing(tokens, seed=5)
-    assert kernels.tiles_for(tokens, TOP_K, EXPERTS, 3 * HIDDEN * INTER) is kernels.WIDE_TILES
+    assert call.tiles(tokens) is kernels.WIDE_TILES
     call.forward(kernel_weights(kernels, references[(None, True)]), x, None, weights, ids)
     pairs, table = ids.numel(), call._table
     flat = ids.flatten().long()

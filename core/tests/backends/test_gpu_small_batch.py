@@ -223,9 +223,9 @@ def test_small_batch_max_tokens_hands_larger_calls_to_megamoe(
 
 
 def test_auto_follows_the_rule_measured_on_this_card() -> None:
-    """The layer asks the rule of the card it runs on (its device's name, ``CARD_COSTS``): on
-    a layer of eight large experts hands calls past 416 tokens to MegaMoE on an H200, past
-    513 on an H100."""
+    """The layer asks the rule of the card it runs on (its device's name, ``CARD_COSTS``): a
+    layer of eight large experts hands calls past 416 tokens to MegaMoE on an H200, past 513
+    on an H100."""
     auto = build("wide8", "auto", max_tokens=1024)
     card = torch.cuda.get_device_name()
     limit = crossover_tokens(layer_work(auto), 1024, card)
@@ -343,10 +343,7 @@ def test_every_tile_shape_and_grouping_gives_the_same_bits(
     x, topk_weights, ids = routing("qwen4exp", tokens, seed=17, mode=mode)
     if mode == "one":
         ids[:, 0] = first + 1  # a local expert: 1200 of its pairs, 38 tiles
-    expert_bytes = 3 * call.hidden * call.intermediate
-    assert (
-        kernels.tiles_for(tokens, call.top_k, call.num_experts, expert_bytes) is kernels.WIDE_TILES
-    )
+    assert call.tiles(tokens) is kernels.WIDE_TILES
     persistent = call.forward(weights, x, None, topk_weights, ids)
     for tiles in ("MIDSIZE_TILES", "DECODE_TILES", "BATCH_TILES", taking, *orientations):
         force_tiles(monkeypatch, kernels, tiles)

@@ -1273,6 +1273,10 @@ class SmallBatchExperts:
             for per_expert in (False, True)
         }
 
+    def tiles(self, tokens: int) -> Tiles:
+        """The tile shape a call of ``tokens`` tokens takes (``tiles_for`` of this layer)."""
+        return tiles_for(tokens, self.top_k, self.num_experts, self._expert_bytes)
+
     def _route_constants(self, cast: bool, tiles: Tiles, group: bool) -> tuple[int, ...]:
         """The route launch's constexprs for ``tiles``, made on their first call."""
         constants = self._route_c[(cast, tiles, group)] = (
@@ -1337,7 +1341,7 @@ class SmallBatchExperts:
         if tokens == 0:
             return out
         pairs, index = tokens * self.top_k, topk_ids.device.index
-        tiles = tiles_for(tokens, self.top_k, self.num_experts, self._expert_bytes)
+        tiles = self.tiles(tokens)
         cast = hidden_scale is None
         x, x_scale = self._x_fp8, self._x_scale
         if hidden_scale is not None:  # the router wrote FP8 tokens by the same rule
